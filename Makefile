@@ -1,0 +1,32 @@
+# Two entry points for a fresh machine (see README.md):
+#   make test   - install everything into .venv, lint, run the whole test suite
+#   make run    - install the training stack into .venv and run the main job
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# Extras the test suite needs; later issues add `train` here when tests need torch.
+TEST_EXTRAS ?= dev,operator
+
+.PHONY: test run install lint unit
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade --quiet pip
+
+install: $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[$(TEST_EXTRAS)]'
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy --strict treetrain/alloc operator
+
+# pytest exits 5 when it collected no test: that is a failure here, never a pass.
+test: lint
+	$(BIN)/python -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+run: $(BIN)/python
+	$(BIN)/pip install --quiet -e '.'
+	$(BIN)/treetrain alloc sglang:d2t4 fsdp:d4t2 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'

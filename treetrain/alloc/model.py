@@ -1,0 +1,210 @@
+"""Parallel layouts of one engine: which backend, which degrees, how many GPUs.
+
+Letters in backend strings and the fields they set:
+
+    d  dp   data parallel (for sglang/vllm: server instances)
+    t  tp   tensor parallel (in a hybrid ffn section: etp, expert tensor parallel)
+    p  pp   pipeline parallel
+    c  cp   context parallel
+    e  ep   expert parallel (never adds GPUs: it re-slices the same grid)
+
+World size is ``dp * tp * pp * cp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from treetrain.alloc.errors import AllocationValidationError
+
+Kind = Literal["training", "inference"]
+
+INFERENCE_BACKENDS = ("sglang", "vllm")
+TRAINING_BACKENDS = ("fsdp", "megatron", "archon")
+BACKENDS = INFERENCE_BACKENDS + TRAINING_BACKENDS
+
+# Which letters each backend accepts in a plain (non-hybrid) string.
+BACKEND_LETTERS: dict[str, str] = {"sglang": "dtp", "vllm": "dtp", "fsdp": "dtc", "megatron": "dtpce", "archon": "dtpce"}
+HYBRID_BACKENDS = ("megatron", "archon")
+ATTN_LETTERS = "dtpc"
+FFN_LETTERS = "dtpe"
+
+LETTER_FIELD = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
+FIELD_NAME = {
+    "dp": "data parallel",
+    "tp": "tensor parallel",
+    "pp": "pipeline parallel",
+    "cp": "context parallel",
+    "ep": "expert parallel",
+    "etp": "expert tensor parallel",
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    """Parallel degrees of one engine; every degree defaults to 1."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise AllocationValidationError(
+                    f"{FIELD_NAME[name]} size must be a whole number >= 1, got {value!r}",
+                    fix="sizes start at 1; leave a dimension out to mean 1",
+                    field=name,
+                )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: the ``d`` of the expert grid ``(pp, edp, ep, etp)``."""
+        return self.world_size // (self.pp * self.etp * self.ep)
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """One engine's backend and parallel layout, validated on construction.
+
+    ``hybrid`` marks the MoE form ``backend:(attn:...|ffn:...)``, where attention and
+    expert layers are sliced differently (Megatron's parallel folding); only that form
+    can set ``etp``.
+    """
+
+    backend: str
+    dims: ParallelDims = ParallelDims()
+    hybrid: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise AllocationValidationError(
+                f"unknown backend {self.backend!r}",
+                fix=f"use one of {', '.join(BACKENDS)} (names are lower-case)",
+                field="backend",
+            )
+        if self.hybrid and self.backend not in HYBRID_BACKENDS:
+            raise AllocationValidationError(
+                f"{self.backend} cannot take a hybrid attn/ffn layout",
+                fix="hybrid MoE layouts need megatron or archon, e.g. megatron:(attn:d4t2|ffn:d2t2e2)",
+                field="backend",
+            )
+        if not self.hybrid and self.dims.etp != 1:
+            raise AllocationValidationError(
+                "expert tensor parallel is only set by the t of a hybrid ffn section",
+                fix=f"write {self.backend}:(attn:...|ffn:t{self.dims.etp}...)",
+                field="etp",
+            )
+        self._check_letters()
+        self._check_expert_grid()
+
+    def _check_letters(self) -> None:
+        allowed = BACKEND_LETTERS[self.backend] if not self.hybrid else ATTN_LETTERS + FFN_LETTERS
+        for letter, name in LETTER_FIELD.items():
+            if letter in allowed or getattr(self.dims, name) == 1:
+                continue
+            value = getattr(self.dims, name)
+            if self.kind == "inference":
+                fix = (
+                    f"{self.backend} takes only d (instances), t and p; "
+                    f"{letter} is a training dimension: drop {letter}{value}"
+                )
+            else:
+                fix = f"use megatron or archon for {FIELD_NAME[name]}, e.g. megatron:{self._plain_dims()}"
+            raise AllocationValidationError(
+                f"{self.backend} does not support {FIELD_NAME[name]} ({letter}{value})"
+                + (": fsdp shards data, tensor and context only" if self.backend == "fsdp" else ""),
+                fix=fix,
+                field=name,
+            )
+
+    def _check_expert_grid(self) -> None:
+        # Experts are laid out on a (pp, edp, ep, etp) grid over the same GPUs, so
+        # pp * etp * ep must divide the world size exactly.
+        d = self.dims
+        if d.ep == 1 and d.etp == 1:
+            return
+        grid = d.pp * d.etp * d.ep
+        if d.world_size % grid == 0:
+            return
+        room = d.world_size // (d.pp * d.etp) if d.world_size % (d.pp * d.etp) == 0 else 1
+        choices = ", ".join(f"e{k}" for k in _divisors(room))
+        raise AllocationValidationError(
+            f"expert parallel size e{d.ep} does not fit the GPU grid: pp*etp*ep = "
+            f"{d.pp}*{d.etp}*{d.ep} = {grid} does not divide the world size {d.world_size} (d*t*p*c)",
+            fix=f"pick e from {choices}, or grow d so that {grid} divides the world size",
+            field="ep",
+        )
+
+    @property
+    def kind(self) -> Kind:
+        return "inference" if self.backend in INFERENCE_BACKENDS else "training"
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def instances(self) -> int:
+        """Inference: number of server instances (``d``)."""
+        return self.dims.dp
+
+    @property
+    def gpus_per_instance(self) -> int:
+        """Inference: GPUs of one server instance (``t * p``)."""
+        return self.dims.tp * self.dims.pp
+
+    def _plain_dims(self) -> str:
+        d = self.dims
+        return _dims_text([("d", d.dp), ("p", d.pp), ("t", d.tp), ("c", d.cp), ("e", d.ep)])
+
+    def __str__(self) -> str:
+        """The canonical string: it parses back to an equal allocation."""
+        if not self.hybrid:
+            return f"{self.backend}:{self._plain_dims()}"
+        d = self.dims
+        attn = _dims_text([("d", d.dp), ("p", d.pp), ("t", d.tp), ("c", d.cp)])
+        ffn = _dims_text([("d", d.edp), ("p", d.pp), ("t", d.etp), ("e", d.ep)])
+        return f"{self.backend}:(attn:{attn}|ffn:{ffn})"
+
+    def to_dict(self) -> dict[str, object]:
+        """The fields ``treetrain alloc --json`` prints."""
+        d = self.dims
+        out: dict[str, object] = {
+            "backend": self.backend,
+            "kind": self.kind,
+            "dp": d.dp,
+            "tp": d.tp,
+            "pp": d.pp,
+            "cp": d.cp,
+            "ep": d.ep,
+            "etp": d.etp,
+            "world_size": self.world_size,
+        }
+        if self.kind == "inference":
+            out["instances"] = self.instances
+            out["gpus_per_instance"] = self.gpus_per_instance
+        if self.hybrid:
+            out["attn"] = {"dp": d.dp, "tp": d.tp, "pp": d.pp, "cp": d.cp, "world_size": d.world_size}
+            out["ffn"] = {"dp": d.edp, "tp": d.etp, "pp": d.pp, "ep": d.ep, "world_size": d.world_size}
+        out["canonical"] = str(self)
+        return out
+
+
+def _dims_text(items: list[tuple[str, int]]) -> str:
+    """``d4t2``: the letters whose size is not 1, or ``d1`` when all are 1."""
+    text = "".join(f"{letter}{size}" for letter, size in items if size != 1)
+    return text or "d1"

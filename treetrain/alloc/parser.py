@@ -1,0 +1,398 @@
+"""Parse backend strings (``sglang:d2t4``, ``fsdp:d4t2``, ``megatron:(attn:...|ffn:...)``).
+
+``parse`` turns one string into an ``Allocation`` or raises one ``AllocationError``
+that carries the column and a fix. ``migrate`` turns AReaL's legacy multi-component
+strings into the per-engine ``backend`` fields an RLJob takes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+from lark import Lark, Token, Tree
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+
+from treetrain.alloc.errors import (
+    AllocationError,
+    AllocationSyntaxError,
+    AllocationValidationError,
+    LegacySpecError,
+    MissingBackendError,
+)
+from treetrain.alloc.model import (
+    ATTN_LETTERS,
+    BACKEND_LETTERS,
+    BACKENDS,
+    FFN_LETTERS,
+    FIELD_NAME,
+    INFERENCE_BACKENDS,
+    LETTER_FIELD,
+    Allocation,
+    ParallelDims,
+)
+
+_DIMS_RE = re.compile(r"(?:[a-z][0-9]+)+")
+
+
+@functools.cache
+def _lark() -> Lark:
+    grammar = resources.files("treetrain.alloc").joinpath("grammar.lark").read_text()
+    return Lark(grammar, parser="lalr", lexer="contextual", propagate_positions=True)
+
+
+def parse(spec: str) -> Allocation:
+    """Parse one engine's backend string.
+
+    >>> parse("sglang:d2t4").world_size
+    8
+    """
+    engines = _parse_engines(spec)
+    if len(engines) == 1 and engines[0].label is None and not engines[0].colocated_with:
+        return engines[0].allocation
+    raise _legacy_error(spec, engines)
+
+
+def migrate(legacy: str) -> list[tuple[str, str]]:
+    """The ``(engine, backend string)`` fields that replace a legacy allocation string.
+
+    >>> migrate("sglang:d4+fsdp:d4")
+    [('rollout', 'sglang:d4'), ('actor', 'fsdp:d4')]
+    """
+    engines = _parse_engines(legacy)
+    return [(role, str(engine.allocation)) for role, engine in _name_roles(legacy, engines)]
+
+
+def migration_yaml(legacy: str) -> str:
+    """RLJob spec fields (YAML) that replace a legacy string, with notes on colocation."""
+    engines = _parse_engines(legacy)
+    roles = _name_roles(legacy, engines)
+    names = {id(engine): role for role, engine in roles}
+    lines: list[str] = []
+    for role, engine in roles:
+        lines += [f"{role}:", f"  backend: {engine.allocation}"]
+        anchor = engine.colocated_with
+        if anchor is not None:
+            if engine.allocation.kind == "training" and anchor.allocation.kind == "training":
+                note = f"shared {names[id(anchor)]}'s GPUs: critic and ref run in the actor's trainer pods by default"
+            else:
+                note = f"shared {names[id(anchor)]}'s GPUs: rollout servers and trainers get separate pods"
+            lines.append(f"  # {note}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Tree walking
+
+
+@dataclass
+class _Engine:
+    allocation: Allocation
+    label: str | None
+    start: int  # 0-based offset of the engine in the spec
+    colocated_with: _Engine | None = None
+
+
+def _parse_engines(spec: str) -> list[_Engine]:
+    if not isinstance(spec, str):
+        raise AllocationSyntaxError(
+            f"a backend string must be text, got {type(spec).__name__}", fix="write e.g. fsdp:d8"
+        )
+    if not spec.strip():
+        raise AllocationSyntaxError(
+            "the backend string is empty", fix="write backend:dims, e.g. fsdp:d8 or sglang:d2t4"
+        ).located(spec, 1)
+    try:
+        tree = _lark().parse(spec)
+    except UnexpectedInput as exc:
+        raise _syntax_error(spec, exc) from None
+    except LarkError as exc:  # pragma: no cover - defensive: any other parser failure
+        raise AllocationSyntaxError(str(exc), fix="write backend:dims, e.g. fsdp:d8").located(spec, None) from None
+    engines: list[_Engine] = []
+    for component in tree.children:
+        assert isinstance(component, Tree)
+        anchor: _Engine | None = None
+        for node in component.children:
+            assert isinstance(node, Tree)
+            engine = _engine(spec, node)
+            engine.colocated_with = anchor
+            anchor = anchor or engine
+            engines.append(engine)
+    return engines
+
+
+def _engine(spec: str, node: Tree[Token]) -> _Engine:
+    start = node.meta.start_pos
+    if node.data == "bare_dims":
+        dims = node.children[0]
+        assert isinstance(dims, Tree)
+        return _engine_without_backend(spec, start, dims, label=None)
+    if node.data == "bare_hybrid":
+        text = spec[start : node.meta.end_pos].strip()
+        raise MissingBackendError(
+            "backend missing before the hybrid MoE layout",
+            fix=f"write megatron:{text} or archon:{text}",
+        ).located(spec, start + 1)
+    if node.data == "label_only":
+        label_node, dims = node.children
+        assert isinstance(label_node, Tree) and isinstance(dims, Tree)
+        return _engine_without_backend(spec, start, dims, label=str(label_node.children[0]))
+    # with_backend: NAME label? layout
+    name, *rest = node.children
+    assert isinstance(name, Token)
+    label = None
+    if len(rest) == 2:
+        label_node = rest[0]
+        assert isinstance(label_node, Tree)
+        label = str(label_node.children[0])
+    layout = rest[-1]
+    assert isinstance(layout, Tree)
+    backend = _backend(spec, name)
+    if layout.data == "hybrid":
+        return _Engine(_hybrid(spec, backend, name, layout), label, start)
+    # Inference servers reject c/e outright; training backends take every letter here and
+    # Allocation decides (fsdp accepts p1 and e1, rejects p2 and e2).
+    letters = BACKEND_LETTERS[backend] if backend in INFERENCE_BACKENDS else "dtpce"
+    dims, columns = _dims(spec, layout, letters, backend)
+    columns["backend"] = _col(name)
+    return _Engine(_build(spec, columns, backend, ParallelDims(**dims)), label, start)
+
+
+def _engine_without_backend(spec: str, start: int, dims_node: Tree[Token], label: str | None) -> _Engine:
+    dims, _ = _dims(spec, dims_node, "dtpce", None)
+    text = "".join(str(tok) for tok in dims_node.children)
+    if dims.get("pp", 1) > 1 or dims.get("ep", 1) > 1:
+        choices = f"megatron:{text} or archon:{text}"
+    else:
+        choices = f"fsdp:{text} or megatron:{text}"
+    where = f" in {label}.backend" if label else ""
+    raise MissingBackendError(
+        f"backend missing: {text!r} has dimensions but no backend prefix", fix=f"write {choices}{where}"
+    ).located(spec, start + 1)
+
+
+def _backend(spec: str, name: Token) -> str:
+    backend = str(name)
+    if backend in BACKENDS:
+        return backend
+    lower = backend.lower()
+    if lower in BACKENDS:
+        fix = f"backend names are lower-case: write {lower}"
+    else:
+        fix = f"use one of {', '.join(BACKENDS)}"
+    raise AllocationSyntaxError(f"unknown backend {backend!r}", fix=fix).located(spec, _col(name))
+
+
+def _dims(spec: str, node: Tree[Token], letters: str, backend: str | None) -> tuple[dict[str, int], dict[str, int]]:
+    """Sizes by field name, and the column of each field's token."""
+    sizes: dict[str, int] = {}
+    columns: dict[str, int] = {}
+    for tok in node.children:
+        assert isinstance(tok, Token)
+        letter, digits = tok[0], tok[1:]
+        col = _col(tok)
+        if letter not in LETTER_FIELD:
+            raise AllocationSyntaxError(
+                f"unknown dimension {letter!r}",
+                fix="dimensions are d (data), t (tensor), p (pipeline), c (context), e (expert)",
+            ).located(spec, col)
+        field = LETTER_FIELD[letter]
+        if letter not in letters and backend is not None:
+            raise _letter_error(backend, letter, tok).located(spec, col)
+        if digits.startswith("0"):
+            if int(digits) == 0:
+                raise AllocationSyntaxError(
+                    f"size {tok} is 0", fix=f"sizes start at 1; leave {letter} out to mean {letter}1"
+                ).located(spec, col + 1)
+            raise AllocationSyntaxError(
+                f"size {tok} has a leading zero", fix=f"write {letter}{int(digits)}"
+            ).located(spec, col + 1)
+        if field in sizes:
+            raise AllocationSyntaxError(
+                f"{letter} is given twice (columns {columns[field]} and {col})",
+                fix=f"write each dimension once, e.g. keep {letter}{sizes[field]} or {tok}",
+            ).located(spec, col)
+        sizes[field] = int(digits)
+        columns[field] = col
+    return sizes, columns
+
+
+def _letter_error(backend: str, letter: str, tok: Token) -> AllocationError:
+    field = LETTER_FIELD[letter]
+    return AllocationSyntaxError(
+        f"{backend} takes only d (instances), t and p, not {FIELD_NAME[field]} ({tok})",
+        fix=f"drop {tok}: context and expert parallelism are training dimensions",
+        field=field,
+    )
+
+
+def _hybrid(spec: str, backend: str, name: Token, node: Tree[Token]) -> Allocation:
+    attn_node, ffn_node = node.children
+    assert isinstance(attn_node, Tree) and isinstance(ffn_node, Tree)
+    if backend not in ("megatron", "archon"):
+        raise AllocationValidationError(
+            f"{backend} cannot take a hybrid attn/ffn layout",
+            fix="hybrid MoE layouts need megatron or archon, e.g. megatron:(attn:d4t2|ffn:d2t2e2)",
+        ).located(spec, _col(name))
+    attn, attn_cols = _section(spec, attn_node, "attn", ATTN_LETTERS)
+    ffn, ffn_cols = _section(spec, ffn_node, "ffn", FFN_LETTERS)
+    ffn_start = ffn_cols["section"]
+
+    pp = attn.get("pp", 1)
+    if ffn.get("pp", pp) != pp:
+        raise AllocationValidationError(
+            f"pipeline parallel size differs: attn p{pp}, ffn p{ffn['pp']}",
+            fix=f"use the same p in both sections (write p{pp} in ffn, or leave it out)",
+        ).located(spec, ffn_cols["pp"])
+    world = attn.get("dp", 1) * attn.get("tp", 1) * pp * attn.get("cp", 1)
+    etp, ep = ffn.get("tp", 1), ffn.get("ep", 1)
+    grid = pp * etp * ep
+    if "dp" in ffn:
+        if ffn["dp"] * grid != world:
+            raise AllocationValidationError(
+                f"attn and ffn sections must cover the same GPUs: attn d*t*p*c = {world}, "
+                f"ffn d*t*p*e = {ffn['dp'] * grid}",
+                fix=f"leave d out of ffn to derive it, or make ffn d*t*p*e = {world}",
+            ).located(spec, ffn_cols["dp"])
+    elif world % grid != 0:
+        raise AllocationValidationError(
+            f"cannot derive the ffn d: the attn world size {world} is not divisible by ffn t*p*e = {grid}",
+            fix=f"choose ffn t and e so that t*p*e divides {world}",
+        ).located(spec, ffn_start)
+    dims = ParallelDims(dp=attn.get("dp", 1), tp=attn.get("tp", 1), pp=pp, cp=attn.get("cp", 1), ep=ep, etp=etp)
+    columns = {**attn_cols, "ep": ffn_cols.get("ep", ffn_start), "etp": ffn_cols.get("tp", ffn_start)}
+    return _build(spec, columns, backend, dims, hybrid=True)
+
+
+def _section(spec: str, node: Tree[Token], expected: str, letters: str) -> tuple[dict[str, int], dict[str, int]]:
+    name, dims_node = node.children
+    assert isinstance(name, Token) and isinstance(dims_node, Tree)
+    if str(name) != expected:
+        other = "ffn" if expected == "attn" else "attn"
+        hint = (
+            f"write the attn section first, then ffn: (attn:...|ffn:...)"
+            if str(name) == other
+            else f"name the section {expected}: (attn:...|ffn:...)"
+        )
+        raise AllocationSyntaxError(f"expected the {expected} section, got {str(name)!r}", fix=hint).located(
+            spec, _col(name)
+        )
+    for tok in dims_node.children:
+        assert isinstance(tok, Token)
+        if tok[0] in LETTER_FIELD and tok[0] not in letters:
+            wrong = "expert parallel belongs in the ffn section" if tok[0] == "e" else (
+                "context parallel belongs in the attn section"
+            )
+            raise AllocationSyntaxError(
+                f"the {expected} section takes only {', '.join(letters)}, not {tok}", fix=f"move {tok}: {wrong}"
+            ).located(spec, _col(tok))
+    sizes, columns = _dims(spec, dims_node, letters, None)
+    columns["section"] = _col(name)
+    return sizes, columns
+
+
+def _build(spec: str, columns: dict[str, int], backend: str, dims: ParallelDims, hybrid: bool = False) -> Allocation:
+    try:
+        return Allocation(backend, dims, hybrid=hybrid)
+    except AllocationError as err:
+        raise err.located(spec, columns.get(err.field or "", columns.get("backend"))) from None
+
+
+# ---------------------------------------------------------------------------
+# Legacy strings
+
+
+def _name_roles(spec: str, engines: list[_Engine]) -> list[tuple[str, _Engine]]:
+    """Give each engine of a legacy string an RLJob field name: its label, else rollout/actor."""
+    roles: list[tuple[str, _Engine]] = []
+    taken: dict[str, _Engine] = {}
+    for engine in engines:
+        role = engine.label or ("rollout" if engine.allocation.kind == "inference" else "actor")
+        if role in taken:
+            raise LegacySpecError(
+                f"two engines would both become {role}.backend",
+                fix=f"name them, e.g. {engine.allocation.backend}[critic]:..., then run "
+                "treetrain alloc --migrate again",
+                fields=[],
+            ).located(spec, engine.start + 1)
+        taken[role] = engine
+        roles.append((role, engine))
+    return roles
+
+
+def _legacy_error(spec: str, engines: list[_Engine]) -> LegacySpecError:
+    fields = [(role, str(engine.allocation)) for role, engine in _name_roles(spec, engines)]
+    column = next((i + 1 for i, ch in enumerate(spec) if ch in "+|["), None)
+    if len(engines) == 1:
+        problem = "component names in brackets are from the legacy allocation mode"
+    else:
+        problem = "multi-component strings ('+' and '|') are from the legacy allocation mode"
+    write = ", ".join(f"{role}.backend: {backend}" for role, backend in fields)
+    fix = f"give each engine its own backend field: {write} (treetrain alloc --migrate prints them)"
+    return LegacySpecError(problem, fix=fix, fields=fields).located(spec, column)
+
+
+# ---------------------------------------------------------------------------
+# Syntax errors
+
+
+def _col(tok: Token) -> int:
+    return (tok.start_pos or 0) + 1
+
+
+def _syntax_error(spec: str, exc: UnexpectedInput) -> AllocationSyntaxError:
+    at_end = isinstance(exc, UnexpectedToken) and exc.token.type == "$END"
+    pos = len(spec) if at_end or exc.pos_in_stream is None else exc.pos_in_stream
+    pos = min(max(pos, 0), len(spec))
+    problem, fix = _explain(spec, pos, exc)
+    return AllocationSyntaxError(problem, fix=fix).located(spec, pos + 1)
+
+
+def _explain(spec: str, pos: int, exc: UnexpectedInput) -> tuple[str, str]:
+    before, char = spec[:pos], spec[pos : pos + 1]
+    head = before.strip()
+    example = "e.g. fsdp:d4t2 or sglang:d2t4"
+    backend = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", spec)
+    name = backend.group(1) if backend else ""
+    after_colon = spec.split(":", 1)[1].lstrip() if ":" in spec else ""
+
+    if char == ":" and not head:
+        rest = spec[pos + 1 :].strip()
+        return "backend missing before ':'", f"write fsdp:{rest} or megatron:{rest} (sglang/vllm for rollout)"
+    if char == "." and head in BACKENDS:
+        rest = spec[pos + 1 :].strip()
+        return "unexpected '.'", f"use ':' between backend and dims, e.g. {head}:{rest or 'd4'}"
+    if spec.count("(") > spec.count(")") and not char:
+        return "unbalanced parentheses: '(' is never closed", "add ')' at the end of the hybrid layout"
+    if char == ")" and spec[:pos].count("(") == spec[:pos].count(")"):
+        return "unbalanced parentheses: ')' without a matching '('", "wrap the hybrid layout as (attn:...|ffn:...)"
+    if after_colon.startswith(("attn", "ffn")) and ":" in spec and not after_colon.startswith("("):
+        return (
+            "the hybrid MoE layout must be in parentheses",
+            f"write {name}:({after_colon.rstrip(')')})",
+        )
+    if not char:
+        if head.endswith(":"):
+            return "no dimensions after ':'", f"add dimensions, e.g. {head}d4"
+        if head in BACKENDS:
+            return f"{head} has no dimensions", f"write {head}:d4 (backend, ':', dims)"
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head):
+            return f"{head!r} is not a backend string", f"write backend:dims with a backend of {', '.join(BACKENDS)}"
+        if head.endswith(("+", "|")):
+            return f"nothing after {head[-1]!r}", f"write one engine per backend field, {example}"
+        return "the backend string ends too early", f"write backend:dims, {example}"
+    if char.isspace():
+        char = spec[pos:].lstrip()[:1]
+    if head in BACKENDS and _DIMS_RE.fullmatch(spec[pos:].strip()):
+        return f"missing ':' after {head}", f"write {head}:{spec[pos:].strip()}"
+    if char.isalpha() and char.isupper() and ":" in before:
+        word = re.match(r"\s*([A-Za-z][0-9]*)", spec[pos:])
+        written = word.group(1) if word else char
+        return f"dimension letters are lower-case, got {written!r}", f"write {written.lower()}"
+    if char.isdigit() and ":" in before:
+        return f"a size without a dimension letter at {char!r}", "write a letter before each size, e.g. d4t2"
+    if isinstance(exc, UnexpectedCharacters) and not (char.isalnum() or char in ":+|()[]_"):
+        return f"unexpected character {char!r}", f"backend strings use letters, digits and ':', {example}"
+    return f"unexpected {char!r}", f"write backend:dims, {example}"
