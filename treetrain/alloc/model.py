@@ -25,7 +25,13 @@ TRAINING_BACKENDS = ("fsdp", "megatron", "archon")
 BACKENDS = INFERENCE_BACKENDS + TRAINING_BACKENDS
 
 # Which letters each backend accepts in a plain (non-hybrid) string.
-BACKEND_LETTERS: dict[str, str] = {"sglang": "dtp", "vllm": "dtp", "fsdp": "dtc", "megatron": "dtpce", "archon": "dtpce"}
+BACKEND_LETTERS: dict[str, str] = {
+    "sglang": "dtp",
+    "vllm": "dtp",
+    "fsdp": "dtc",
+    "megatron": "dtpce",
+    "archon": "dtpce",
+}
 HYBRID_BACKENDS = ("megatron", "archon")
 ATTN_LETTERS = "dtpc"
 FFN_LETTERS = "dtpe"

@@ -155,15 +155,15 @@ def _engine(spec: str, node: Tree[Token]) -> _Engine:
     # Inference servers reject c/e outright; training backends take every letter here and
     # Allocation decides (fsdp accepts p1 and e1, rejects p2 and e2).
     letters = BACKEND_LETTERS[backend] if backend in INFERENCE_BACKENDS else "dtpce"
-    dims, columns = _dims(spec, layout, letters, backend)
+    sizes, columns = _dims(spec, layout, letters, backend)
     columns["backend"] = _col(name)
-    return _Engine(_build(spec, columns, backend, ParallelDims(**dims)), label, start)
+    return _Engine(_build(spec, columns, backend, ParallelDims(**sizes)), label, start)
 
 
 def _engine_without_backend(spec: str, start: int, dims_node: Tree[Token], label: str | None) -> _Engine:
-    dims, _ = _dims(spec, dims_node, "dtpce", None)
+    sizes, _ = _dims(spec, dims_node, "dtpce", None)
     text = "".join(str(tok) for tok in dims_node.children)
-    if dims.get("pp", 1) > 1 or dims.get("ep", 1) > 1:
+    if sizes.get("pp", 1) > 1 or sizes.get("ep", 1) > 1:
         choices = f"megatron:{text} or archon:{text}"
     else:
         choices = f"fsdp:{text} or megatron:{text}"
@@ -178,10 +178,7 @@ def _backend(spec: str, name: Token) -> str:
     if backend in BACKENDS:
         return backend
     lower = backend.lower()
-    if lower in BACKENDS:
-        fix = f"backend names are lower-case: write {lower}"
-    else:
-        fix = f"use one of {', '.join(BACKENDS)}"
+    fix = f"backend names are lower-case: write {lower}" if lower in BACKENDS else f"use one of {', '.join(BACKENDS)}"
     raise AllocationSyntaxError(f"unknown backend {backend!r}", fix=fix).located(spec, _col(name))
 
 
@@ -206,9 +203,9 @@ def _dims(spec: str, node: Tree[Token], letters: str, backend: str | None) -> tu
                 raise AllocationSyntaxError(
                     f"size {tok} is 0", fix=f"sizes start at 1; leave {letter} out to mean {letter}1"
                 ).located(spec, col + 1)
-            raise AllocationSyntaxError(
-                f"size {tok} has a leading zero", fix=f"write {letter}{int(digits)}"
-            ).located(spec, col + 1)
+            raise AllocationSyntaxError(f"size {tok} has a leading zero", fix=f"write {letter}{int(digits)}").located(
+                spec, col + 1
+            )
         if field in sizes:
             raise AllocationSyntaxError(
                 f"{letter} is given twice (columns {columns[field]} and {col})",
@@ -272,7 +269,7 @@ def _section(spec: str, node: Tree[Token], expected: str, letters: str) -> tuple
     if str(name) != expected:
         other = "ffn" if expected == "attn" else "attn"
         hint = (
-            f"write the attn section first, then ffn: (attn:...|ffn:...)"
+            "write the attn section first, then ffn: (attn:...|ffn:...)"
             if str(name) == other
             else f"name the section {expected}: (attn:...|ffn:...)"
         )
@@ -282,8 +279,10 @@ def _section(spec: str, node: Tree[Token], expected: str, letters: str) -> tuple
     for tok in dims_node.children:
         assert isinstance(tok, Token)
         if tok[0] in LETTER_FIELD and tok[0] not in letters:
-            wrong = "expert parallel belongs in the ffn section" if tok[0] == "e" else (
-                "context parallel belongs in the attn section"
+            wrong = (
+                "expert parallel belongs in the ffn section"
+                if tok[0] == "e"
+                else ("context parallel belongs in the attn section")
             )
             raise AllocationSyntaxError(
                 f"the {expected} section takes only {', '.join(letters)}, not {tok}", fix=f"move {tok}: {wrong}"

@@ -21,7 +21,7 @@ class PodPlan:
     pods: int
     gpus_per_pod: int
     nodes: int  # the fewest nodes that hold every pod
-    pods_per_instance: int = 1  # inference: pods that form one server instance
+    pods_per_instance: int = 1  # pods that form one instance (training: the whole torchrun job)
 
     @property
     def gpus(self) -> int:

@@ -1,0 +1,41 @@
+"""Packaging rules from DESIGN.md: the operator side never needs torch, and every
+package directory is listed in pyproject.toml."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_package_is_listed() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {
+        ".".join(path.parent.relative_to(ROOT).parts)
+        for path in (ROOT / "treetrain").rglob("__init__.py")
+        if "__pycache__" not in path.parts
+    }
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert config["package-dir"]["rljob_operator"] == "operator"
+
+
+def test_operator_side_imports_without_torch() -> None:
+    code = (
+        "import sys, treetrain, treetrain.alloc, treetrain.cli, rljob_operator, rljob_operator.cli\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'megatron', 'triton') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+        "import operator; assert operator.__file__ is None or 'site-packages' not in operator.__file__\n"
+        "assert hasattr(operator, 'itemgetter')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == ""
+
+
+def test_no_top_level_operator_module() -> None:
+    code = "import operator, rljob_operator; print(operator.__name__, rljob_operator.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.split() == ["operator", "rljob_operator"]
