@@ -8,6 +8,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,7 +37,9 @@ def test_operator_side_imports_without_torch() -> None:
     assert out.stdout.strip() == ""
 
 
-def test_no_top_level_operator_module() -> None:
-    code = "import operator, rljob_operator; print(operator.__name__, rljob_operator.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+@pytest.mark.parametrize("cwd", ["/", str(ROOT)])
+def test_operator_dir_never_shadows_the_stdlib(cwd: str) -> None:
+    # From the repo root too, where ./operator/ sits first on sys.path.
+    code = "import operator, rljob_operator; print(operator.itemgetter.__module__, rljob_operator.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd)
     assert out.stdout.split() == ["operator", "rljob_operator"]
