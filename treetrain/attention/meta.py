@@ -1,0 +1,71 @@
+"""Tensors one tree attention call needs, built once per micro-batch and shared by all layers.
+
+Letters: N padded tree tokens, B block size, n = N / B blocks, P live (query block, key
+block) pairs, M gathered log-prob positions.
+
+The whole tree mask is one integer per token (see :mod:`treetrain.tree.layout`)::
+
+    allowed[i, j] = (j <= i) & (i < token_end_N[j])
+
+Key block ``kb`` is therefore seen by the contiguous run of query blocks
+``kb .. (max(token_end in kb) - 1) // B``: the live pairs come from an O(n) computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from treetrain.tree import PackedTree
+
+
+@dataclass(eq=False)
+class TreeAttentionMeta:
+    """Tree mask metadata on the model's device. Pass it as ``tree_attention=`` to the model."""
+
+    backend: str
+    token_end_N: torch.Tensor
+    block_size: int
+    _dense_mask_NN: torch.Tensor | None = field(default=None, repr=False)
+    _pairs: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_tree(cls, tree: PackedTree, *, backend: str, block_size: int, device: torch.device) -> TreeAttentionMeta:
+        token_end_N = torch.tensor(tree.token_end, dtype=torch.long, device=device)
+        return cls(backend=backend, token_end_N=token_end_N, block_size=block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_end_N.shape[0])
+
+    def dense_mask(self) -> torch.Tensor:
+        """The N x N boolean mask (the ``dense`` reference backend only)."""
+        if self._dense_mask_NN is None:
+            n = self.num_tokens
+            i_N1 = torch.arange(n, device=self.token_end_N.device)[:, None]
+            j_1N = torch.arange(n, device=self.token_end_N.device)[None, :]
+            self._dense_mask_NN = (j_1N <= i_N1) & (i_N1 < self.token_end_N[None, :])
+        return self._dense_mask_NN
+
+    def live_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query block, key block) index pairs that hold at least one allowed entry."""
+        if self._pairs is None:
+            b, n = self.block_size, self.num_tokens
+            if n % b:
+                raise ValueError(f"tree length {n} is not a multiple of block size {b}; pad trees to the block size")
+            nb = n // b
+            device = self.token_end_N.device
+            last_q_n = (self.token_end_N.view(nb, b).amax(dim=1) - 1) // b
+            kb_n = torch.arange(nb, device=device)
+            counts_n = last_q_n - kb_n + 1
+            kb_P = torch.repeat_interleave(kb_n, counts_n)
+            starts_n = torch.cumsum(counts_n, 0) - counts_n
+            qb_P = kb_P + torch.arange(kb_P.shape[0], device=device) - starts_n[kb_P]
+            self._pairs = (qb_P, kb_P)
+        return self._pairs
+
+    def live_fraction(self) -> float:
+        """Live block pairs over all n * n pairs (a host sync; for reports only)."""
+        nb = self.num_tokens // self.block_size
+        return float(self.live_pairs()[0].shape[0]) / (nb * nb)

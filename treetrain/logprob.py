@@ -1,0 +1,170 @@
+"""Per-sequence log-probs and entropy from packed logits, and :func:`tree_logprobs`.
+
+Letters: N tree tokens (rows of logits), V vocabulary, M gathered positions (over all
+sequences of a tree, each sequence contributing ``len - 1``), S sequences.
+
+:func:`gather_logprobs` owns the gather and the fp32 upcast. It computes one
+log-normaliser per tree row (shared prefixes are normalised once, however many sequences
+use them), in row chunks, so the fp32 working set is ``chunk_size x V``; its backward is
+written out, so nothing of size ``M x V`` is ever saved. At a branch point the parent's
+last row is gathered once per child, with each child's first token as the label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treetrain.tree import PackConfig, PackedTree, pack
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+class _GatherLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits_NV: torch.Tensor,
+        pred_M: torch.Tensor,
+        label_M: torch.Tensor,
+        chunk_size: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = logits_NV.shape[0]
+        lse_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)
+        mean_N = torch.empty(n, dtype=torch.float32, device=logits_NV.device)  # E_p[logit], for entropy
+        for r0 in range(0, n, chunk_size):
+            x_CV = logits_NV[r0 : r0 + chunk_size].float()
+            lse_C = torch.logsumexp(x_CV, dim=-1)
+            lse_N[r0 : r0 + chunk_size] = lse_C
+            if with_entropy:
+                mean_N[r0 : r0 + chunk_size] = (torch.exp(x_CV - lse_C[:, None]) * x_CV).sum(dim=-1)
+        logp_M = logits_NV[pred_M, label_M].float() - lse_N[pred_M]
+        entropy_M = (lse_N - mean_N)[pred_M] if with_entropy else logp_M.new_zeros(0)
+        ctx.save_for_backward(logits_NV, pred_M, label_M, lse_N, mean_N)
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        return logp_M, entropy_M
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_logp_M: torch.Tensor, grad_entropy_M: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        logits_NV, pred_M, label_M, lse_N, mean_N = ctx.saved_tensors
+        n = logits_NV.shape[0]
+        # d logp / d logit_v = onehot(label) - softmax; summed per row over the positions using it.
+        rows_logp_N = torch.zeros(n, dtype=torch.float32, device=logits_NV.device)
+        rows_logp_N.index_add_(0, pred_M, grad_logp_M.float())
+        use_entropy = ctx.with_entropy and grad_entropy_M.numel() > 0
+        if use_entropy:
+            rows_ent_N = torch.zeros(n, dtype=torch.float32, device=logits_NV.device)
+            rows_ent_N.index_add_(0, pred_M, grad_entropy_M.float())
+        grad_NV = torch.empty_like(logits_NV)
+        c = ctx.chunk_size
+        for r0 in range(0, n, c):
+            x_CV = logits_NV[r0 : r0 + c].float()
+            p_CV = torch.exp(x_CV - lse_N[r0 : r0 + c, None])
+            g_CV = -rows_logp_N[r0 : r0 + c, None] * p_CV
+            if use_entropy:
+                # d entropy / d logit_v = -p_v (logit_v - E_p[logit])
+                g_CV -= rows_ent_N[r0 : r0 + c, None] * p_CV * (x_CV - mean_N[r0 : r0 + c, None])
+            grad_NV[r0 : r0 + c] = g_CV.to(grad_NV.dtype)
+        grad_NV.index_put_((pred_M, label_M), grad_logp_M.to(grad_NV.dtype), accumulate=True)
+        return grad_NV, None, None, None, None
+
+
+def gather_logprobs(
+    logits_NV: torch.Tensor,
+    pred_M: torch.Tensor,
+    label_M: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``logp[m] = log_softmax(logits[pred[m]])[label[m]]`` in fp32, and the entropy of that row.
+
+    One vectorized pass: row chunks of ``chunk_size`` for the normaliser, one gather.
+    """
+    if logits_NV.dim() != 2:
+        raise ValueError(f"logits must be [tokens, vocab], got shape {tuple(logits_NV.shape)}")
+    logp_M, entropy_M = _GatherLogprobs.apply(logits_NV, pred_M, label_M, chunk_size, with_entropy)
+    return logp_M, (entropy_M if with_entropy else None)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeTensors:
+    """Model inputs and gather indices of one tree, on one device."""
+
+    input_ids_N: torch.Tensor
+    position_ids_N: torch.Tensor
+    pred_M: torch.Tensor
+    label_M: torch.Tensor
+    split_sizes: tuple[int, ...]  # log-probs per sequence (len - 1), layout order
+
+    @classmethod
+    def from_tree(cls, tree: PackedTree, device: torch.device) -> TreeTensors:
+        input_ids_N = torch.tensor(tree.input_ids, dtype=torch.long)
+        position_ids_N = torch.tensor(tree.position_ids, dtype=torch.long)
+        seq_tokens = torch.tensor(tree.seq_tokens, dtype=torch.long)
+        offsets = torch.tensor(tree.seq_offsets, dtype=torch.long)
+        first = torch.zeros(seq_tokens.shape[0], dtype=torch.bool)
+        first[offsets[:-1]] = True
+        last = torch.zeros_like(first)
+        last[offsets[1:] - 1] = True
+        pred_M = seq_tokens[~last]
+        label_M = input_ids_N[seq_tokens[~first]]
+        sizes = tuple(int(x) - 1 for x in torch.diff(offsets).tolist())
+        return cls(
+            input_ids_N=input_ids_N.to(device),
+            position_ids_N=position_ids_N.to(device),
+            pred_M=pred_M.to(device),
+            label_M=label_M.to(device),
+            split_sizes=sizes,
+        )
+
+
+def tree_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    *,
+    max_tokens_per_mb: int,
+    attention: str = "auto",
+) -> list[torch.Tensor]:
+    """Log-probs of each sequence under ``model``, computed on tries of shared prefixes.
+
+    Returns, in input order, one fp32 tensor of length ``len(seq) - 1`` per sequence:
+    entry ``i`` is ``log p(seq[i + 1] | seq[: i + 1])``. Gradients flow to the model.
+    The model is switched to the ``"treetrain"`` attention implementation, which behaves
+    like ``sdpa`` outside tree forwards. ``attention`` is a ``TREETRAIN_ATTENTION`` name.
+    """
+    from treetrain.attention import TreeAttentionMeta, block_size, resolve, tree_forward, use_tree_attention
+
+    if not sequences:
+        return []
+    device = _model_device(model)
+    backend = resolve(attention, device)
+    batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size()))
+    use_tree_attention(model)
+    per_tree: list[list[torch.Tensor]] = []
+    for tree in batch.trees:
+        tensors = TreeTensors.from_tree(tree, device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=backend, block_size=block_size(), device=device)
+        with tree_forward():
+            out = model(
+                input_ids=tensors.input_ids_N[None],
+                position_ids=tensors.position_ids_N[None],
+                use_cache=False,
+                tree_attention=meta,
+            )
+        logp_M, _ = gather_logprobs(out.logits[0], tensors.pred_M, tensors.label_M)
+        per_tree.append(list(torch.split(logp_M, tensors.split_sizes)))
+    return batch.unpack(per_tree)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

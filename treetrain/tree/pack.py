@@ -1,0 +1,355 @@
+"""Prefix-aware packing of token sequences into trees, balanced across data-parallel ranks.
+
+The policy, in order (all plain Python, deterministic for the same input):
+
+1. Sort the sequences into trie order and take adjacent common prefixes
+   (:func:`treetrain.tree.trie.trie_order`).
+2. Cut the sorted list into *items*: maximal subtrees whose tree tokens fit in
+   ``max_tokens_per_mb``. A subtree too big is cut at its branch point into its children,
+   each child carrying its own copy of the shared prefix. Sequences that share a prefix
+   therefore stay together whenever they fit together.
+3. Best-fit decreasing over items, with exact sharing: an item goes to the bin where it
+   adds the fewest new tree tokens (its prefix shared with sequences already there is
+   free), ties to the fullest bin, then the oldest. Capacity counts tree tokens.
+4. Balance across ``dp_size`` ranks: every rank must run the same number of micro-batches,
+   so the biggest splittable bins are split in two (at the point that best halves their
+   tokens) until the count divides evenly; only when nothing can be split does a rank get
+   an empty tree, and that tree is one alignment unit long, not ``max_tokens_per_mb``.
+   Then bins go to ranks largest first, each to the rank with the least work so far.
+5. Lay each bin out (:func:`treetrain.tree.layout.layout_tree`), padded to a multiple of
+   ``lcm(block_size, parallel_size)`` (or to ``max_tokens_per_mb`` with ``pad_to_max``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from treetrain.tree.layout import PackedTree, layout_tree
+from treetrain.tree.trie import trie_order
+
+T = TypeVar("T")
+
+# Micro-batch options that make sense for flat packing but not for trees.
+UNSUPPORTED_MICROBATCH_OPTIONS = ("n_mbs", "granularity", "n_mbs_divisor", "packing_algorithm")
+
+
+class PackingError(ValueError):
+    """Bad packing input or configuration; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PackConfig:
+    """How to pack. ``max_tokens_per_mb`` counts tree tokens (unique tokens) per micro-batch."""
+
+    max_tokens_per_mb: int
+    block_size: int = 128
+    parallel_size: int = 1
+    dp_size: int = 1
+    pad_to_max: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "parallel_size", "dp_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise PackingError(f"{name} must be a positive integer, got {value!r}")
+        cap = self.max_tokens_per_mb
+        if cap is None or not _is_int(cap) or cap <= 0:
+            raise PackingError(
+                f"max_tokens_per_mb must be set to a positive integer for tree packing, got {cap!r}; "
+                f"set it to a multiple of {self.alignment}, e.g. {self.alignment * 64}"
+            )
+        if cap % self.alignment:
+            lower = cap // self.alignment * self.alignment
+            upper = lower + self.alignment
+            hint = f"{lower} or {upper}" if lower else f"{upper}"
+            raise PackingError(
+                f"max_tokens_per_mb ({cap}) must be a multiple of {self.alignment} "
+                f"(lcm of block_size={self.block_size} and parallel_size={self.parallel_size}); use {hint}"
+            )
+
+    @property
+    def alignment(self) -> int:
+        return math.lcm(self.block_size, self.parallel_size)
+
+    @classmethod
+    def from_microbatch_spec(cls, spec: Mapping[str, Any], **overrides: Any) -> PackConfig:
+        """Build from a trainer's micro-batch options; warns about options trees ignore."""
+        ignored = sorted(k for k in UNSUPPORTED_MICROBATCH_OPTIONS if spec.get(k) not in (None, 1, ""))
+        if ignored:
+            warnings.warn(
+                f"micro-batch option(s) {', '.join(ignored)} have no effect with tree packing: "
+                "trees are filled by tree tokens up to max_tokens_per_mb",
+                UserWarning,
+                stacklevel=2,
+            )
+        unknown = sorted(set(spec) - {"max_tokens_per_mb", *UNSUPPORTED_MICROBATCH_OPTIONS})
+        if unknown:
+            raise PackingError(f"unknown micro-batch option(s): {', '.join(unknown)}")
+        return cls(max_tokens_per_mb=spec.get("max_tokens_per_mb"), **overrides)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class PackStats:
+    """Token counts of one packed batch; ``tree_token_ratio`` = tree / original (lower is better)."""
+
+    num_sequences: int
+    num_trees: int
+    original_tokens: int
+    tree_tokens: int
+    padded_tokens: int
+    max_tokens_per_mb: int
+    rank_tree_tokens: tuple[int, ...]
+
+    @property
+    def tree_token_ratio(self) -> float:
+        return self.tree_tokens / self.original_tokens if self.original_tokens else 1.0
+
+    @property
+    def padding_ratio(self) -> float:
+        total = self.tree_tokens + self.padded_tokens
+        return self.padded_tokens / total if total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sequences": self.num_sequences,
+            "trees": self.num_trees,
+            "original_tokens": self.original_tokens,
+            "tree_tokens": self.tree_tokens,
+            "padded_tokens": self.padded_tokens,
+            "tree_token_ratio": round(self.tree_token_ratio, 6),
+            "padding_ratio": round(self.padding_ratio, 6),
+            "max_tokens_per_mb": self.max_tokens_per_mb,
+            "rank_tree_tokens": list(self.rank_tree_tokens),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """Trees of one batch; rank ``r`` runs ``[trees[i] for i in ranks[r]]`` in that order."""
+
+    trees: tuple[PackedTree, ...]
+    ranks: tuple[tuple[int, ...], ...]
+    stats: PackStats
+
+    def rank_trees(self, rank: int) -> list[PackedTree]:
+        return [self.trees[i] for i in self.ranks[rank]]
+
+    def pack_values(self, tree: int, values: Sequence[Sequence[T]]) -> list[T]:
+        """Concatenate per-sequence values (input order) in the layout order of ``tree``.
+
+        Use it for per-token extras (loss mask, old log-probs, advantages): they differ
+        between sequences that share tokens, so they live in the per-sequence flat layout
+        that :mod:`treetrain.logprob` returns, not in the deduplicated token layout.
+        """
+        out: list[T] = []
+        for i in self.trees[tree].seq_ids:
+            out += values[i]
+        return out
+
+    def unpack(self, per_tree: Sequence[Sequence[T]]) -> list[T]:
+        """Inverse of the layout order: ``per_tree[t][k]`` belongs to ``trees[t].seq_ids[k]``."""
+        out: list[Any] = [None] * self.stats.num_sequences
+        for tree, values in zip(self.trees, per_tree, strict=True):
+            if len(values) != len(tree.seq_ids):
+                raise ValueError(f"expected {len(tree.seq_ids)} values for a tree, got {len(values)}")
+            for i, value in zip(tree.seq_ids, values, strict=True):
+                out[i] = value
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate(sequences: Sequence[Sequence[int]], cap: int) -> list[list[int]]:
+    seqs = [s if type(s) is list else list(s) for s in sequences]
+    for i, s in enumerate(seqs):
+        if not s:
+            raise PackingError(f"sequence {i} is empty; every sequence needs at least one token")
+        if len(s) > cap:
+            raise PackingError(
+                f"sequence {i} has {len(s)} tokens, more than max_tokens_per_mb={cap}; "
+                "raise max_tokens_per_mb or truncate/split that sequence"
+            )
+    return seqs
+
+
+class _RangeMin:
+    """O(1) minimum of ``lcp[a:b]`` (sparse table), i.e. common prefix of sorted positions."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.table = [values]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.table[-1]
+            self.table.append([min(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+            width *= 2
+
+    def lcp(self, a: int, b: int) -> int:
+        """Common prefix of sorted sequences ``a < b``: min of ``lcp[a + 1 : b + 1]``."""
+        lo, hi = a + 1, b + 1
+        level = (hi - lo).bit_length() - 1
+        row = self.table[level]
+        return min(row[lo], row[hi - (1 << level)])
+
+
+@dataclass(slots=True)
+class _Bin:
+    starts: list[int]  # sorted start positions of its item ranges
+    ends: list[int]
+    cost: int
+
+
+def pack(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackedBatch:
+    """Pack token sequences into trees of at most ``config.max_tokens_per_mb`` tree tokens."""
+    cap = config.max_tokens_per_mb
+    seqs = _validate(sequences, cap)
+    n = len(seqs)
+    order, lcp = trie_order(seqs)
+    lens = [len(seqs[i]) for i in order]
+    # prefix[k] = sum over j < k of the tokens sorted sequence j adds after j - 1
+    prefix = [0] * (n + 1)
+    for k in range(n):
+        prefix[k + 1] = prefix[k] + lens[k] - lcp[k]
+
+    def range_cost(lo: int, hi: int) -> int:
+        return lens[lo] + prefix[hi] - prefix[lo + 1]
+
+    items = _cut_items(n, lcp, cap, range_cost)
+    rmq = _RangeMin(lcp)
+    bins = _best_fit(items, cap, range_cost, rmq)
+    bins = _split_for_ranks(bins, config.dp_size, lens, rmq)
+    ranks = _assign_ranks(bins, config.dp_size)
+
+    trees: list[PackedTree] = []
+    for b in bins:
+        positions = [k for s, e in zip(b.starts, b.ends, strict=True) for k in range(s, e)]
+        members = [seqs[order[k]] for k in positions]
+        member_lcp = [0] + [rmq.lcp(positions[j - 1], positions[j]) for j in range(1, len(positions))]
+        padded = cap if config.pad_to_max else max(1, math.ceil(b.cost / config.alignment)) * config.alignment
+        tree = layout_tree(members, [order[k] for k in positions], member_lcp, padded)
+        assert tree.num_tokens == b.cost, (tree.num_tokens, b.cost)
+        trees.append(tree)
+
+    tree_tokens = sum(t.num_tokens for t in trees)
+    stats = PackStats(
+        num_sequences=n,
+        num_trees=len(trees),
+        original_tokens=sum(lens),
+        tree_tokens=tree_tokens,
+        padded_tokens=sum(t.padded_len for t in trees) - tree_tokens,
+        max_tokens_per_mb=cap,
+        rank_tree_tokens=tuple(sum(trees[i].num_tokens for i in r) for r in ranks),
+    )
+    return PackedBatch(trees=tuple(trees), ranks=ranks, stats=stats)
+
+
+def _cut_items(n: int, lcp: list[int], cap: int, range_cost: Any) -> list[tuple[int, int]]:
+    """Maximal subtrees (ranges of sorted positions) that fit in ``cap``, in sorted order."""
+    items: list[tuple[int, int]] = []
+    stack = [(0, n)] if n else []
+    while stack:
+        lo, hi = stack.pop()
+        if range_cost(lo, hi) <= cap:
+            items.append((lo, hi))
+            continue
+        # Too big: cut at the branch point shared by the whole range. A single sequence (or a
+        # run of duplicates) always fits, because _validate checked each length.
+        depth = min(lcp[lo + 1 : hi])
+        bounds = [lo, *(k for k in range(lo + 1, hi) if lcp[k] == depth), hi]
+        stack.extend((bounds[j], bounds[j + 1]) for j in range(len(bounds) - 2, -1, -1))
+    return items
+
+
+def _best_fit(items: list[tuple[int, int]], cap: int, range_cost: Any, rmq: _RangeMin) -> list[_Bin]:
+    bins: list[_Bin] = []
+    for lo, hi in sorted(items, key=lambda it: (-range_cost(*it), it[0])):
+        cost = range_cost(lo, hi)
+        best: tuple[int, int, int] | None = None  # (added tokens, -bin cost, bin index)
+        for bi, b in enumerate(bins):
+            added = cost - _shared(b, lo, hi, rmq)
+            if b.cost + added <= cap:
+                key = (added, -b.cost, bi)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            bins.append(_Bin(starts=[lo], ends=[hi], cost=cost))
+            continue
+        b = bins[best[2]]
+        j = bisect_left(b.starts, lo)
+        b.starts.insert(j, lo)
+        b.ends.insert(j, hi)
+        b.cost += best[0]
+    bins.sort(key=lambda b: b.starts[0])
+    return bins
+
+
+def _shared(b: _Bin, lo: int, hi: int, rmq: _RangeMin) -> int:
+    """Tree tokens saved by adding range [lo, hi) to bin ``b`` (exact trie union)."""
+    j = bisect_left(b.starts, lo)
+    before = b.ends[j - 1] - 1 if j > 0 else -1  # last sorted position before the item
+    after = b.starts[j] if j < len(b.starts) else -1  # first sorted position after it
+    saved = rmq.lcp(before, lo) if before >= 0 else 0
+    if after >= 0:
+        # `after` used to share lcp(before, after) with its predecessor; now it shares
+        # lcp(hi - 1, after), which is at least that much.
+        saved += rmq.lcp(hi - 1, after) - (rmq.lcp(before, after) if before >= 0 else 0)
+    return saved
+
+
+def _split_for_ranks(bins: list[_Bin], dp: int, lens: list[int], rmq: _RangeMin) -> list[_Bin]:
+    """Split the biggest bins until every rank can get the same number of micro-batches."""
+    target = max(1, math.ceil(len(bins) / dp)) * dp
+    while len(bins) < target:
+        splittable = [b for b in bins if len(b.starts) > 1 or b.ends[0] - b.starts[0] > 1]
+        if not splittable:
+            bins.append(_Bin(starts=[], ends=[], cost=0))  # an empty tree, one alignment unit long
+            continue
+        big = max(splittable, key=lambda b: b.cost)
+        bins.remove(big)
+        bins.extend(_halve(big, lens, rmq))
+    return bins
+
+
+def _halve(b: _Bin, lens: list[int], rmq: _RangeMin) -> list[_Bin]:
+    positions = [k for s, e in zip(b.starts, b.ends, strict=True) for k in range(s, e)]
+    added = [lens[positions[0]]] + [
+        lens[positions[j]] - rmq.lcp(positions[j - 1], positions[j]) for j in range(1, len(positions))
+    ]
+    total = sum(added)
+    best_j, best_key, left = 1, None, 0
+    for j in range(1, len(positions)):
+        left += added[j - 1]
+        right = total - left + (lens[positions[j]] - added[j])
+        key = max(left, right)
+        if best_key is None or key < best_key:
+            best_j, best_key = j, key
+    halves = []
+    for part in (positions[:best_j], positions[best_j:]):
+        starts, ends = [part[0]], [part[0] + 1]
+        for k in part[1:]:
+            if k == ends[-1]:
+                ends[-1] = k + 1
+            else:
+                starts.append(k)
+                ends.append(k + 1)
+        cost = lens[part[0]] + sum(lens[part[j]] - rmq.lcp(part[j - 1], part[j]) for j in range(1, len(part)))
+        halves.append(_Bin(starts=starts, ends=ends, cost=cost))
+    return halves
+
+
+def _assign_ranks(bins: list[_Bin], dp: int) -> tuple[tuple[int, ...], ...]:
+    """Largest bins first, each to the least-loaded rank that still has room; equal counts."""
+    per_rank = len(bins) // dp
+    loads = [0] * dp
+    ranks: list[list[int]] = [[] for _ in range(dp)]
+    for i in sorted(range(len(bins)), key=lambda i: (-bins[i].cost, i)):
+        r = min((r for r in range(dp) if len(ranks[r]) < per_rank), key=lambda r: (loads[r], r))
+        ranks[r].append(i)
+        loads[r] += bins[i].cost
+    return tuple(tuple(r) for r in ranks)
