@@ -1,30 +1,112 @@
-"""The ``rljob`` command line (the operator side)."""
+"""The ``rljob`` command line: ``plan``, ``crd`` and ``operator``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from treetrain import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rljob",
-        description="Operator tools for RLJob resources. Not built yet: 'plan', 'crd' and 'operator' "
-        "arrive with the operator; until then this command only reports its version.",
-    )
+    parser = argparse.ArgumentParser(prog="rljob", description="Tools and the operator for RLJob resources.")
     parser.add_argument("--version", action="version", version=f"rljob {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "plan",
+        help="validate an RLJob manifest and show its GPUs, pods and nodes per component",
+        description="Validate an RLJob manifest (a file or - for stdin) and print, per component: backend, GPUs, "
+        "pods, GPUs per pod, nodes. Exit 2 listing every problem when it is invalid.",
+    )
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--json", action="store_true", help='print {"components": {...}, "total_gpus": N}')
+    p.add_argument("--objects", action="store_true", help="also print the child objects the operator would create")
+    p.set_defaults(func=_plan)
+
+    c = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition (YAML)")
+    c.set_defaults(func=_crd)
+
+    o = sub.add_parser(
+        "operator",
+        help="run the operator (in a pod, or locally with KUBECONFIG)",
+        description="Reconcile RLJobs. Watches all namespaces unless --namespace is given (repeatable).",
+    )
+    o.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    o.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
+    o.add_argument("--liveness-port", type=int, default=8081, help="liveness endpoint /healthz port (0 disables)")
+    o.add_argument("--bind", default="0.0.0.0", help="address for the metrics and liveness listeners")
+    o.set_defaults(func=_operator)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command is None:
-        build_parser().print_help()
+    code: int = args.func(args)
+    return code
+
+
+def _load(path: str) -> Any:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    if len(docs) != 1:
+        raise ValueError(f"expected one YAML document, found {len(docs)}")
+    return docs[0]
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rljob_operator.plan import PlanError, plan
+
+    try:
+        manifest = _load(args.file)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        print(f"rljob plan: error: cannot read {args.file}: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = plan(manifest)
+    except PlanError as err:
+        print(f"rljob plan: {args.file} is not a valid RLJob ({len(err.errors)} problems):", file=sys.stderr)
+        for problem in err.errors:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    summary: dict[str, Any] = result.summary()
+    if args.objects:
+        summary["objects"] = result.objects
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"RLJob {result.namespace}/{result.name}: {summary['total_gpus']} GPUs")
+    print(f"  {'component':<16}{'backend':<40}{'GPUs':>6}{'pods':>6}{'GPUs/pod':>10}{'nodes':>7}")
+    for name, row in summary["components"].items():
+        note = f"  (in {row['colocated_with']}'s pods)" if "colocated_with" in row else ""
+        print(
+            f"  {name:<16}{row['backend']:<40}{row['gpus']:>6}{row['pods']:>6}{row['gpus_per_pod']:>10}"
+            f"{row['nodes']:>7}{note}"
+        )
+    if args.objects:
+        print(yaml.safe_dump_all(result.objects, sort_keys=False))
     return 0
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from rljob_operator.crd import crd_yaml
+
+    sys.stdout.write(crd_yaml())
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from rljob_operator.runner import run_operator
+
+    return run_operator(
+        namespaces=args.namespace, metrics_port=args.metrics_port, liveness_port=args.liveness_port, bind=args.bind
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,213 @@
+"""The RLJob API (``treetrain.dev/v1alpha1``): pydantic models for spec and status.
+
+These models are the single source of the CRD schema (``rljob crd``), of manifest
+validation (``rljob plan``) and of the operator's view of an object. Field names are
+camelCase on the wire, snake_case in Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "treetrain.dev"
+VERSION = "v1alpha1"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SHORT_NAME = "rlj"
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
+DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
+
+Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
+Attention = Literal["auto", "flex", "triton", "sparse", "dense"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """``x-kubernetes-validations`` for a schema node: (CEL rule, message) pairs."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
+
+
+class VolumeRef(_Model):
+    """A PersistentVolumeClaim mounted into the pods."""
+
+    claim_name: str = Field(min_length=1, description="Name of a PersistentVolumeClaim in the RLJob's namespace.")
+    read_only: bool = Field(default=False, description="Mount read-only.")
+
+
+class ModelSource(_Model):
+    """Where the model weights come from."""
+
+    path: str = Field(
+        min_length=1,
+        description="A Hugging Face model id (Qwen/Qwen3-8B) or, with `volume`, a path inside the volume.",
+    )
+    volume: VolumeRef | None = Field(default=None, description="Mount this claim at /models; `path` is inside it.")
+
+
+class Images(_Model):
+    trainer: str = Field(default=DEFAULT_TRAINER_IMAGE, description="Image of the trainer pods.")
+    rollout: str = Field(default=DEFAULT_ROLLOUT_IMAGE, description="Image of the rollout (SGLang/vLLM) pods.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
+
+
+class RolloutEngine(_Model):
+    """One inference engine: `backend` is `sglang:...` or `vllm:...`; `d` = server instances."""
+
+    backend: str = Field(min_length=1, description="Backend string, e.g. sglang:d2t4 (2 servers x 4 GPUs).")
+    server_args: list[str] = Field(
+        default_factory=list, description="Extra command-line flags for the server, appended as given."
+    )
+    port: int = Field(default=30000, ge=1, le=65535, description="HTTP port of each server.")
+
+
+class NamedRolloutEngine(RolloutEngine):
+    name: str = Field(
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$",
+        description="Engine name (DNS label, at most 20 characters); children are named <rljob>-rollout-<name>.",
+    )
+
+
+class TreeTraining(_Model):
+    enabled: bool = Field(default=True, description="Pack shared prefixes into tries.")
+    max_tokens_per_microbatch: int = Field(
+        default=32768, ge=1, description="Capacity of one packed tree, in tree tokens."
+    )
+    attention: Attention = Field(default="auto", description="Tree attention backend.")
+
+
+class Actor(_Model):
+    backend: str = Field(min_length=1, description="Backend string: fsdp:..., megatron:... or archon:....")
+    tree_training: TreeTraining = Field(default_factory=TreeTraining)
+
+
+class Auxiliary(_Model):
+    """A critic or reference model; an empty backend means: the actor's."""
+
+    backend: str = Field(default="", description="Backend string; empty = the actor's backend.")
+    colocated: bool = Field(
+        default=True, description="Run in the actor's trainer pods (needs the same world size as the actor)."
+    )
+
+
+class Checkpoint(_Model):
+    volume: VolumeRef | None = Field(default=None, description="Claim that holds checkpoints (mounted at /checkpoints).")
+    interval_steps: int = Field(default=50, ge=1, description="Save every N training steps.")
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations, as in a pod spec.")
+    priority_class_name: str | None = None
+    queue_name: str | None = Field(
+        default=None, description="Kueue LocalQueue: all pods of the RLJob are admitted as one pod group."
+    )
+
+
+_TRAINING = "['fsdp:', 'megatron:', 'archon:'].exists(p, self.backend.startsWith(p))"
+
+
+class RLJobSpec(_Model):
+    """What to run. The operator's parser checks backend strings fully; the CEL rules
+    here only catch a wrong backend family at admission time."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            (
+                "self.rollout.backend.startsWith('sglang:') || self.rollout.backend.startsWith('vllm:')",
+                "rollout.backend must be an inference backend: sglang:... or vllm:...",
+            ),
+            (
+                "!has(self.additionalRollouts) || self.additionalRollouts.all(r, "
+                "r.backend.startsWith('sglang:') || r.backend.startsWith('vllm:'))",
+                "additionalRollouts[].backend must be sglang:... or vllm:...",
+            ),
+            (
+                "!has(self.additionalRollouts) || "
+                "self.additionalRollouts.all(a, self.additionalRollouts.exists_one(b, b.name == a.name))",
+                "additionalRollouts names must be unique",
+            ),
+            (_TRAINING.replace("self.backend", "self.actor.backend"), "actor.backend must be fsdp:..., megatron:... or archon:..."),
+            (
+                "!has(self.critic) || self.critic.backend == '' || "
+                + _TRAINING.replace("self.backend", "self.critic.backend"),
+                "critic.backend must be empty (= actor's) or fsdp:..., megatron:..., archon:...",
+            ),
+            (
+                "!has(self.ref) || self.ref.backend == '' || " + _TRAINING.replace("self.backend", "self.ref.backend"),
+                "ref.backend must be empty (= actor's) or fsdp:..., megatron:..., archon:...",
+            ),
+        )
+    )
+
+    model: ModelSource
+    images: Images = Field(default_factory=Images)
+    gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs of one node; pods fill whole nodes.")
+    gpu_resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
+    rollout: RolloutEngine
+    additional_rollouts: list[NamedRolloutEngine] = Field(
+        default_factory=list, description="More rollout engines (e.g. a second model size).", max_length=8
+    )
+    actor: Actor
+    critic: Auxiliary | None = None
+    ref: Auxiliary | None = None
+    trainer_config: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to `treetrain train` as its config file (YAML), unchanged."
+    )
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    max_restarts: int = Field(default=3, ge=0, description="Trainer gang restarts before the RLJob fails.")
+    suspend: bool = Field(default=False, description="true removes the pods and keeps the RLJob; false resumes.")
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, description="Delete the RLJob this long after it succeeds or fails."
+    )
+    master_port: int = Field(default=29500, ge=1, le=65535, description="torchrun rendezvous port.")
+
+
+# ---------------------------------------------------------------------------
+# Status
+
+
+class Condition(_Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class ComponentStatus(_Model):
+    backend: str
+    kind: Literal["training", "inference"]
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    world_size: int
+    gpus: int
+    pods: int
+    gpus_per_pod: int
+    nodes: int
+    colocated_with: str | None = None
+
+
+class RLJobStatus(_Model):
+    phase: Phase = "Pending"
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+    allocation: dict[str, ComponentStatus] = Field(default_factory=dict)
+    gpus: int = 0
+    restarts: int = 0
+    start_time: str | None = None
+    completion_time: str | None = None
+    last_restart_time: str | None = None
+    message: str = ""

@@ -1,0 +1,558 @@
+"""Plan an RLJob: manifest in, components and desired child objects out. Pure: no API calls.
+
+``plan`` validates everything it can (schema, backend strings, placement, colocation)
+and raises one ``PlanError`` listing every problem with its field path, so
+``rljob plan`` and the operator's Valid condition say the same thing.
+
+Children of RLJob ``NAME`` (all in its namespace):
+
+    NAME-config                 ConfigMap: the trainer config (config.yaml)
+    NAME-rollout[-ENGINE]       headless Service + StatefulSet per rollout engine
+    NAME-trainer                headless Service + Indexed Job for the actor's gang
+    NAME-critic / NAME-ref      Indexed Job + Service, only when not colocated
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rljob_operator.models import GROUP, KIND, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
+from rljob_operator.servers import MultiNode, multi_node_command, server_argv, server_env
+from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
+
+MANAGED_BY = "rljob-operator"
+LABEL_RLJOB = f"{GROUP}/rljob"
+LABEL_COMPONENT = f"{GROUP}/component"
+LABEL_ENGINE = f"{GROUP}/engine"
+LABEL_RESTART = f"{GROUP}/restart"
+MAX_NAME_LENGTH = 30  # leaves room for "-rollout-<engine>" and StatefulSet revision hashes
+CONFIG_PATH = "/etc/treetrain/config.yaml"
+CHECKPOINT_DIR = "/checkpoints"
+MODEL_DIR = "/models"
+METRICS_PORT = 9400
+
+
+@dataclass(frozen=True)
+class FieldError:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class PlanError(ValueError):
+    """Every problem found in one manifest."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(str(e) for e in errors))
+
+
+@dataclass(frozen=True)
+class Component:
+    """One engine of the RLJob and where its GPUs go."""
+
+    name: str  # "rollout", "rollout-small", "actor", "critic", "ref"
+    role: str  # the treetrain.dev/component label: rollout, actor, critic or ref
+    allocation: Allocation
+    pods: PodPlan
+    colocated_with: str | None = None  # critic/ref inside the actor's trainer pods
+
+    @property
+    def gpus(self) -> int:
+        return 0 if self.colocated_with else self.pods.gpus
+
+    def status(self) -> ComponentStatus:
+        d = self.allocation.dims
+        return ComponentStatus(
+            backend=str(self.allocation),
+            kind=self.allocation.kind,
+            dp=d.dp,
+            tp=d.tp,
+            pp=d.pp,
+            cp=d.cp,
+            ep=d.ep,
+            etp=d.etp,
+            world_size=self.allocation.world_size,
+            gpus=self.gpus,
+            pods=0 if self.colocated_with else self.pods.pods,
+            gpus_per_pod=self.pods.gpus_per_pod,
+            nodes=0 if self.colocated_with else self.pods.nodes,
+            colocated_with=self.colocated_with,
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    namespace: str
+    spec: RLJobSpec
+    components: dict[str, Component]
+    objects: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(c.gpus for c in self.components.values())
+
+    @property
+    def total_pods(self) -> int:
+        return sum(c.pods.pods for c in self.components.values() if not c.colocated_with)
+
+    def summary(self) -> dict[str, Any]:
+        """What ``rljob plan --json`` prints."""
+        return {
+            "components": {
+                name: {
+                    "backend": str(c.allocation),
+                    "gpus": c.gpus,
+                    "pods": 0 if c.colocated_with else c.pods.pods,
+                    "gpus_per_pod": c.pods.gpus_per_pod,
+                    "nodes": 0 if c.colocated_with else c.pods.nodes,
+                    "world_size": c.allocation.world_size,
+                    "kind": c.allocation.kind,
+                    **({"colocated_with": c.colocated_with} if c.colocated_with else {}),
+                }
+                for name, c in self.components.items()
+            },
+            "total_gpus": self.total_gpus,
+        }
+
+
+def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
+    """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation."""
+    errors: list[FieldError] = []
+    if not isinstance(manifest, dict):
+        raise PlanError([FieldError("(document)", "an RLJob manifest must be a mapping")])
+    if manifest.get("apiVersion") != f"{GROUP}/{VERSION}":
+        errors.append(FieldError("apiVersion", f"must be {GROUP}/{VERSION}, got {manifest.get('apiVersion')!r}"))
+    if manifest.get("kind") != KIND:
+        errors.append(FieldError("kind", f"must be {KIND}, got {manifest.get('kind')!r}"))
+    metadata = manifest.get("metadata") or {}
+    name = str(metadata.get("name") or "")
+    namespace = str(metadata.get("namespace") or "default")
+    errors += _check_name(name)
+    raw = manifest.get("spec")
+    spec: RLJobSpec | None = None
+    try:
+        spec = RLJobSpec.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        errors += [_pydantic_error(e) for e in exc.errors()]
+    # Backend strings are checked even when the schema failed, so one run lists every problem.
+    components, component_errors = _components(_engines(spec, raw))
+    seen = {e.path for e in errors}
+    errors += [e for e in component_errors if e.path not in seen]
+    if errors or spec is None:
+        raise PlanError(errors)
+    result = Plan(name=name, namespace=namespace, spec=spec, components=components)
+    objects = _objects(result, restart=restart)
+    uid = metadata.get("uid")
+    if uid:
+        owner = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": name,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        for obj in objects:
+            obj["metadata"]["ownerReferences"] = [owner]
+    return Plan(name=name, namespace=namespace, spec=spec, components=components, objects=objects)
+
+
+def _check_name(name: str) -> list[FieldError]:
+    import re
+
+    if not name:
+        return [FieldError("metadata.name", "is required")]
+    if len(name) > MAX_NAME_LENGTH or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
+        return [
+            FieldError(
+                "metadata.name",
+                f"{name!r} must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+                "(lower-case letters, digits, '-'), so that child names stay valid",
+            )
+        ]
+    return []
+
+
+def _pydantic_error(error: Any) -> FieldError:
+    path = ".".join(str(p) for p in ("spec", *error["loc"]))
+    message = error["msg"]
+    if error["type"] == "missing":
+        message = "is required"
+    elif error["type"] == "extra_forbidden":
+        message = "is not a field of RLJob (check the spelling; fields are camelCase)"
+    return FieldError(path, message)
+
+
+@dataclass(frozen=True)
+class _Engines:
+    """The backend-bearing fields of a spec, read from the model or, when the schema
+    failed, as far as possible from the raw mapping."""
+
+    gpus_per_node: int
+    rollouts: list[tuple[str, str, str]]  # (component, field path, backend)
+    actor: str | None
+    aux: list[tuple[str, str, bool]]  # (role, backend or "", colocated)
+
+
+def _engines(spec: RLJobSpec | None, raw: Any) -> _Engines:
+    if spec is not None:
+        rollouts = [("rollout", "spec.rollout.backend", spec.rollout.backend)]
+        rollouts += [
+            (f"rollout-{e.name}", f"spec.additionalRollouts[{i}].backend", e.backend)
+            for i, e in enumerate(spec.additional_rollouts)
+        ]
+        aux = [(role, a.backend, a.colocated) for role in ("critic", "ref") if (a := getattr(spec, role)) is not None]
+        return _Engines(spec.gpus_per_node, rollouts, spec.actor.backend, aux)
+    raw = raw if isinstance(raw, dict) else {}
+
+    def backend(node: Any) -> str | None:
+        value = node.get("backend") if isinstance(node, dict) else None
+        return value if isinstance(value, str) and value else None
+
+    gpus = raw.get("gpusPerNode", 8)
+    rollouts = [("rollout", "spec.rollout.backend", b)] if (b := backend(raw.get("rollout"))) else []
+    extra = raw.get("additionalRollouts")
+    for i, node in enumerate(extra if isinstance(extra, list) else []):
+        if (b := backend(node)) and isinstance(node.get("name"), str):
+            rollouts.append((f"rollout-{node['name']}", f"spec.additionalRollouts[{i}].backend", b))
+    aux = []
+    for role in ("critic", "ref"):
+        node = raw.get(role)
+        if isinstance(node, dict):
+            aux.append((role, backend(node) or "", node.get("colocated", True) is not False))
+    return _Engines(
+        gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 8,
+        rollouts,
+        backend(raw.get("actor")),
+        aux,
+    )
+
+
+def _components(engines: _Engines) -> tuple[dict[str, Component], list[FieldError]]:
+    errors: list[FieldError] = []
+    components: dict[str, Component] = {}
+
+    def add(name: str, role: str, path: str, backend: str, kind: str, colocated_with: str | None = None) -> None:
+        try:
+            allocation = parse(backend)
+        except AllocationError as err:
+            errors.append(FieldError(path, str(err)))
+            return
+        if allocation.kind != kind:
+            want = "sglang:... or vllm:..." if kind == "inference" else "fsdp:..., megatron:... or archon:..."
+            errors.append(FieldError(path, f"{backend!r} is a {allocation.kind} backend; {role} needs {want}"))
+            return
+        try:
+            pods = plan_pods(allocation, engines.gpus_per_node)
+        except AllocationError as err:
+            errors.append(FieldError(path, f"{err} (gpusPerNode is {engines.gpus_per_node})"))
+            return
+        components[name] = Component(name, role, allocation, pods, colocated_with)
+
+    for name, path, backend in engines.rollouts:
+        if name in components:
+            errors.append(FieldError(path.replace(".backend", ".name"), f"engine name {name!r} is used twice"))
+            continue
+        add(name, "rollout", path, backend, "inference")
+    if engines.actor is not None:
+        add("actor", "actor", "spec.actor.backend", engines.actor, "training")
+    for role, aux_backend, colocated in engines.aux:
+        if not aux_backend and engines.actor is None:
+            continue
+        add(role, role, f"spec.{role}.backend", aux_backend or engines.actor or "", "training", "actor" if colocated else None)
+        actor, mine = components.get("actor"), components.get(role)
+        if colocated and actor and mine and mine.allocation.world_size != actor.allocation.world_size:
+            errors.append(
+                FieldError(
+                    f"spec.{role}.backend",
+                    f"a colocated {role} runs in the actor's trainer pods, so its world size must equal the "
+                    f"actor's ({mine.allocation.world_size} != {actor.allocation.world_size}); use the same world "
+                    f"size, leave backend empty, or set {role}.colocated: false",
+                )
+            )
+    return components, errors
+
+
+# ---------------------------------------------------------------------------
+# Child objects
+
+
+def labels(plan: Plan, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        "app.kubernetes.io/name": "treetrain",
+        LABEL_RLJOB: plan.name,
+        LABEL_COMPONENT: component,
+    }
+
+
+def _meta(plan: Plan, name: str, component: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": plan.namespace, "labels": {**labels(plan, component), **(extra or {})}}
+
+
+def rollout_name(plan: Plan, component: str) -> str:
+    return f"{plan.name}-{component}"
+
+
+def trainer_service_name(plan: Plan, role: str = "actor") -> str:
+    return f"{plan.name}-trainer" if role == "actor" else f"{plan.name}-{role}"
+
+
+def trainer_job_name(plan: Plan, role: str, restart: int) -> str:
+    """Each restart of the trainer gang is a new Job, so the old one can be deleted safely."""
+    base = trainer_service_name(plan, role)
+    return base if restart == 0 else f"{base}-r{restart}"
+
+
+def rollout_endpoints(plan: Plan) -> list[str]:
+    """Base URLs of every rollout server (instance leaders), as stable DNS names."""
+    urls: list[str] = []
+    for name, comp in plan.components.items():
+        if comp.role != "rollout":
+            continue
+        engine = _engine(plan.spec, name)
+        sts = rollout_name(plan, name)
+        for instance in range(comp.allocation.instances):
+            ordinal = instance * comp.pods.pods_per_instance
+            urls.append(f"http://{sts}-{ordinal}.{sts}.{plan.namespace}.svc:{engine.port}")
+    return urls
+
+
+def _engine(spec: RLJobSpec, component: str) -> RolloutEngine:
+    if component == "rollout":
+        return spec.rollout
+    return next(e for e in spec.additional_rollouts if f"rollout-{e.name}" == component)
+
+
+def _objects(plan: Plan, *, restart: int) -> list[dict[str, Any]]:
+    objects: list[dict[str, Any]] = [_config_map(plan)]
+    for name, comp in plan.components.items():
+        if comp.role == "rollout":
+            objects += _rollout(plan, name, comp)
+        elif comp.colocated_with is None:
+            objects += _trainer(plan, comp, restart=restart)
+    return objects
+
+
+def _config_map(plan: Plan) -> dict[str, Any]:
+    spec = plan.spec
+    config: dict[str, Any] = {
+        "model": {"path": _model_path(spec)},
+        "actor": {
+            "backend": str(plan.components["actor"].allocation),
+            "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
+        },
+        "checkpoint": {"dir": CHECKPOINT_DIR, "intervalSteps": spec.checkpoint.interval_steps},
+        "rollout": {"endpoints": rollout_endpoints(plan)},
+        "trainer": spec.trainer_config,
+    }
+    for role in ("critic", "ref"):
+        if role in plan.components:
+            comp = plan.components[role]
+            config[role] = {"backend": str(comp.allocation), "colocated": comp.colocated_with is not None}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(plan, f"{plan.name}-config", "actor"),
+        "data": {"config.yaml": yaml.safe_dump(config, sort_keys=False)},
+    }
+
+
+def _model_path(spec: RLJobSpec) -> str:
+    if spec.model.volume is None:
+        return spec.model.path
+    return f"{MODEL_DIR}/{spec.model.path.lstrip('/')}"
+
+
+def _headless_service(plan: Plan, name: str, component: str, selector: dict[str, str], port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(plan, name, component),
+        "spec": {
+            "clusterIP": "None",
+            # Peers must resolve each other before they are Ready (rendezvous, multi-node servers).
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": "main", "port": port, "targetPort": port}],
+        },
+    }
+
+
+def _pod_scheduling(plan: Plan) -> dict[str, Any]:
+    s = plan.spec.scheduling
+    out: dict[str, Any] = {"enableServiceLinks": False}
+    if s.node_selector:
+        out["nodeSelector"] = dict(s.node_selector)
+    if s.tolerations:
+        out["tolerations"] = [dict(t) for t in s.tolerations]
+    if s.priority_class_name:
+        out["priorityClassName"] = s.priority_class_name
+    return out
+
+
+def _gang(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
+    """Pod labels and annotations that make every pod of the RLJob one gang."""
+    pod_labels = {f"{GROUP}/gang": plan.name}
+    annotations: dict[str, str] = {}
+    if plan.spec.scheduling.queue_name:
+        pod_labels["kueue.x-k8s.io/queue-name"] = plan.spec.scheduling.queue_name
+        pod_labels["kueue.x-k8s.io/pod-group-name"] = plan.name
+        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(plan.total_pods)
+    return pod_labels, annotations
+
+
+def _volumes(plan: Plan, *, checkpoints: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = plan.spec
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if spec.model.volume is not None:
+        claim = spec.model.volume
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": claim.claim_name, "readOnly": claim.read_only}}
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": claim.read_only})
+    if checkpoints and spec.checkpoint.volume is not None:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume.claim_name}})
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    return volumes, mounts
+
+
+def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
+    spec = plan.spec
+    engine = _engine(spec, name)
+    sts = rollout_name(plan, name)
+    selector = {LABEL_RLJOB: plan.name, LABEL_COMPONENT: "rollout", LABEL_ENGINE: name}
+    gang_labels, gang_annotations = _gang(plan)
+    ppi = comp.pods.pods_per_instance
+    multi = MultiNode(nnodes=ppi, rank_var="RANK", leader_var="LEADER") if ppi > 1 else None
+    argv = server_argv(
+        comp.allocation, model=_model_path(spec), port=engine.port, extra_args=engine.server_args, multi_node=multi
+    )
+    env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
+    if multi is not None:
+        env.append(
+            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+        )
+        leader = f"{sts}-{{ordinal}}.{sts}.{plan.namespace}.svc"
+        command = multi_node_command(argv, backend=comp.allocation.backend, pods_per_instance=ppi, leader_dns=leader)
+    else:
+        command = argv
+    volumes, mounts = _volumes(plan, checkpoints=False)
+    gpu = spec.gpu_resource_name
+    container = {
+        "name": "server",
+        "image": spec.images.rollout,
+        "imagePullPolicy": spec.images.pull_policy,
+        "command": command,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": engine.port}],
+        "resources": {"limits": {gpu: str(comp.pods.gpus_per_pod)}, "requests": {gpu: str(comp.pods.gpus_per_pod)}},
+        "volumeMounts": mounts,
+        # Model loading can take many minutes; the startup probe covers it.
+        "startupProbe": {"httpGet": {"path": "/health", "port": engine.port}, "periodSeconds": 10, "failureThreshold": 180},
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(plan, sts, "rollout", {LABEL_ENGINE: name}),
+        "spec": {
+            "serviceName": sts,
+            "replicas": comp.pods.pods,
+            # All servers start at once: the gang is scheduled together, and multi-pod
+            # instances need every member up to initialise.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**labels(plan, "rollout"), LABEL_ENGINE: name, **gang_labels}},
+                "spec": {**_pod_scheduling(plan), "containers": [container], "volumes": volumes},
+            },
+        },
+    }
+    if gang_annotations:
+        statefulset["spec"]["template"]["metadata"]["annotations"] = gang_annotations
+    service = _headless_service(plan, sts, "rollout", selector, engine.port)
+    service["metadata"]["labels"][LABEL_ENGINE] = name
+    return [service, statefulset]
+
+
+def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any]]:
+    spec = plan.spec
+    service = trainer_service_name(plan, comp.role)
+    job = trainer_job_name(plan, comp.role, restart)
+    selector = {LABEL_RLJOB: plan.name, LABEL_COMPONENT: comp.role}
+    gang_labels, gang_annotations = _gang(plan)
+    nodes, nproc = comp.pods.pods, comp.pods.gpus_per_pod
+    # Indexed Job pods are named <job>-<index> and resolve under the Service (subdomain).
+    master = f"{job}-0.{service}.{plan.namespace}.svc"
+    env: list[dict[str, Any]] = [
+        {"name": "PET_NNODES", "value": str(nodes)},
+        {"name": "PET_NPROC_PER_NODE", "value": str(nproc)},
+        {
+            "name": "PET_NODE_RANK",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}},
+        },
+        {"name": "PET_MASTER_ADDR", "value": master},
+        {"name": "PET_MASTER_PORT", "value": str(spec.master_port)},
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(spec.master_port)},
+        {"name": "TREETRAIN_ROLE", "value": comp.role},
+        {"name": "TREETRAIN_CONFIG", "value": CONFIG_PATH},
+        {"name": "TREETRAIN_ROLLOUT_ENDPOINTS", "value": ",".join(rollout_endpoints(plan))},
+        {"name": "TREETRAIN_CHECKPOINT_DIR", "value": CHECKPOINT_DIR},
+        {"name": "TREETRAIN_RESTART", "value": str(restart)},
+        {"name": "TREETRAIN_ATTENTION", "value": spec.actor.tree_training.attention},
+    ]
+    volumes, mounts = _volumes(plan, checkpoints=True)
+    volumes.append({"name": "config", "configMap": {"name": f"{plan.name}-config"}})
+    mounts.append({"name": "config", "mountPath": "/etc/treetrain", "readOnly": True})
+    if spec.checkpoint.volume is None:
+        volumes.append({"name": "checkpoints", "emptyDir": {}})
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    gpu = spec.gpu_resource_name
+    container = {
+        "name": "trainer",
+        "image": spec.images.trainer,
+        "imagePullPolicy": spec.images.pull_policy,
+        # torchrun reads its rendezvous settings from the PET_* variables above.
+        "command": ["torchrun", "-m", "treetrain.cli", "train", CONFIG_PATH],
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}, {"name": "rdzv", "containerPort": spec.master_port}],
+        "resources": {"limits": {gpu: str(nproc)}, "requests": {gpu: str(nproc)}},
+        "volumeMounts": mounts,
+    }
+    pod_meta: dict[str, Any] = {"labels": {**labels(plan, comp.role), **gang_labels, LABEL_RESTART: str(restart)}}
+    if gang_annotations:
+        pod_meta["annotations"] = gang_annotations
+    indexed_job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(plan, job, comp.role, {LABEL_RESTART: str(restart)}),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            # The operator restarts the whole gang (from the latest checkpoint) instead of
+            # letting the Job replace single ranks, which would hang the others.
+            "backoffLimit": 0,
+            "template": {
+                "metadata": pod_meta,
+                "spec": {
+                    **_pod_scheduling(plan),
+                    "subdomain": service,
+                    "restartPolicy": "Never",
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+    return [_headless_service(plan, service, comp.role, selector, spec.master_port), indexed_job]

@@ -1,0 +1,349 @@
+"""Level-based reconciliation of one RLJob, as a pure function.
+
+``decide(rljob, observed, now)`` reads the RLJob and the children that exist, and
+returns what to create or update, what to delete, the new status and the events to
+post. The kopf handlers only gather ``observed``, carry out the decision and patch the
+status when it changed.
+
+Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
+``NAME-trainer`` (n = 0) or ``NAME-trainer-rN``. When any of its pods fails, the
+restart count in the status goes up first, then the old Job is deleted and, after an
+exponential backoff, the next one is created; the trainer resumes from the latest
+checkpoint. After ``maxRestarts`` the RLJob fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from rljob_operator.models import RLJobStatus
+from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Plan, PlanError, plan, trainer_job_name
+
+BACKOFF_BASE_SECONDS = 10.0
+BACKOFF_MAX_SECONDS = 300.0
+WORKLOAD_KINDS = ("Job", "StatefulSet")
+TRAINER_ROLES = ("actor", "critic", "ref")
+
+
+@dataclass
+class Observed:
+    """Children of one RLJob as the API server has them (plain dicts)."""
+
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    statefulsets: list[dict[str, Any]] = field(default_factory=list)
+    pods: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Decision:
+    status: dict[str, Any]
+    apply: list[dict[str, Any]] = field(default_factory=list)
+    create_only: list[dict[str, Any]] = field(default_factory=list)  # Jobs: their pod template is immutable
+    delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
+    delete_self: bool = False
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    requeue_after: float | None = None
+
+
+def timestamp(now: datetime) -> str:
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+
+
+def backoff_seconds(restarts: int) -> float:
+    """Delay before restart ``restarts`` (1-based): 10 s, 20 s, 40 s, ... capped at 5 min."""
+    return min(BACKOFF_BASE_SECONDS * 2 ** max(restarts - 1, 0), BACKOFF_MAX_SECONDS)
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    kind: str,
+    status: bool | None,
+    reason: str,
+    message: str,
+    *,
+    now: datetime,
+    generation: int | None,
+) -> None:
+    """Set one condition in place; its transition time moves only when its status does."""
+    value = "Unknown" if status is None else ("True" if status else "False")
+    for cond in conditions:
+        if cond["type"] == kind:
+            if cond["status"] != value:
+                cond["lastTransitionTime"] = timestamp(now)
+            cond.update(status=value, reason=reason, message=message, observedGeneration=generation)
+            return
+    conditions.append(
+        {
+            "type": kind,
+            "status": value,
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": timestamp(now),
+            "observedGeneration": generation,
+        }
+    )
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions", []) if c["type"] == kind), None)
+
+
+def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision:
+    old = RLJobStatus.model_validate(rljob.get("status") or {}).model_dump(by_alias=True, exclude_none=True)
+    status: dict[str, Any] = {**old, "conditions": [dict(c) for c in old.get("conditions", [])]}
+    generation = (rljob.get("metadata") or {}).get("generation")
+    status["observedGeneration"] = generation
+    cond = _Conditions(status, now, generation)
+    spec = rljob.get("spec") or {}
+    decision = Decision(status=status)
+
+    # A finished RLJob stays finished; only its TTL and rollout teardown remain.
+    if old.get("phase") in ("Succeeded", "Failed") and not _invalid(old):
+        _finish(decision, observed, now, spec)
+        return _with_events(decision, old)
+
+    try:
+        restarts = int(old.get("restarts", 0))
+        desired = plan(rljob, restart=restarts)
+    except PlanError as err:
+        cond.set("Valid", False, "InvalidSpec", str(err))
+        status.update(phase="Failed", message=f"invalid spec: {err}", allocation={}, gpus=0)
+        cond.set("Running", False, "InvalidSpec", "no pods are created for an invalid spec")
+        decision.delete = [(o["kind"], o["metadata"]["name"]) for o in (*observed.jobs, *observed.statefulsets)]
+        return _with_events(decision, old)
+
+    status["allocation"] = {name: c.status().model_dump(by_alias=True) for name, c in desired.components.items()}
+    status["gpus"] = desired.total_gpus
+    cond.set("Valid", True, "Planned", _describe(desired))
+    if _invalid(old):
+        status["phase"] = "Pending"  # a fixed spec starts over
+
+    if desired.spec.suspend:
+        decision.delete = [(o["kind"], o["metadata"]["name"]) for o in (*observed.jobs, *observed.statefulsets)]
+        status.update(phase="Suspended", message="suspended: pods removed, the RLJob is kept")
+        cond.set("Suspended", True, "Suspended", "spec.suspend is true")
+        cond.set("Running", False, "Suspended", "suspended")
+        return _with_events(decision, old)
+    cond.set("Suspended", False, "NotSuspended", "")
+
+    trainers = {o["metadata"]["name"]: o for o in observed.jobs if _component(o) in TRAINER_ROLES}
+    current = {c.role: trainer_job_name(desired, c.role, restarts) for c in _trainer_components(desired)}
+    stale = [name for name in trainers if name not in current.values()]
+    decision.delete += [("Job", name) for name in stale]
+
+    # Trainer finished or failed?
+    failure = _trainer_failure(trainers, current, observed.pods, restarts)
+    if not failure and current and all(_job_complete(trainers.get(name)) for name in current.values()):
+        status.update(phase="Succeeded", completionTime=timestamp(now), message="trainer completed")
+        cond.set("Succeeded", True, "TrainerCompleted", "the trainer Job completed")
+        cond.set("Running", False, "Completed", "finished")
+        _finish(decision, observed, now, spec)
+        return _with_events(decision, old)
+    if failure:
+        max_restarts = desired.spec.max_restarts
+        if restarts >= max_restarts:
+            status.update(
+                phase="Failed",
+                completionTime=timestamp(now),
+                message=f"trainer failed after {restarts} restarts (maxRestarts {max_restarts}): {failure}",
+            )
+            cond.set("Failed", True, "TrainerFailed", status["message"])
+            cond.set("Running", False, "Failed", "failed")
+            _finish(decision, observed, now, spec)
+            return _with_events(decision, old)
+        status.update(restarts=restarts + 1, lastRestartTime=timestamp(now), phase="Pending")
+        status["message"] = f"restarting the trainer gang ({restarts + 1}/{max_restarts}): {failure}"
+        cond.set("Restarting", True, "TrainerFailed", status["message"])
+        cond.set("Running", False, "Restarting", status["message"])
+        decision.delete += [("Job", name) for name in trainers if ("Job", name) not in decision.delete]
+        decision.requeue_after = backoff_seconds(restarts + 1)
+        return _with_events(decision, old)
+
+    # Create or update everything of the current gang at once (rollout servers and trainers).
+    wait = _backoff_left(old, restarts, now)
+    for obj in desired.objects:
+        if obj["kind"] == "Job":
+            if wait > 0 or obj["metadata"]["name"] in stale:
+                continue
+            decision.create_only.append(obj)
+        else:
+            decision.apply.append(obj)
+    if wait > 0:
+        decision.requeue_after = wait
+        status["message"] = f"restarting the trainer gang in {wait:.0f} s (backoff)"
+
+    _observe_pods(desired, observed, status, cond, restarts, now)
+    return _with_events(decision, old)
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Conditions:
+    def __init__(self, status: dict[str, Any], now: datetime, generation: int | None) -> None:
+        self.status, self.now, self.generation = status, now, generation
+
+    def set(self, kind: str, value: bool | None, reason: str, message: str) -> None:
+        set_condition(self.status["conditions"], kind, value, reason, message, now=self.now, generation=self.generation)
+
+
+def _invalid(status: dict[str, Any]) -> bool:
+    valid = condition(status, "Valid")
+    return valid is not None and valid["status"] == "False"
+
+
+def _describe(desired: Plan) -> str:
+    parts = []
+    for name, comp in desired.components.items():
+        where = f"in {comp.colocated_with}'s pods" if comp.colocated_with else f"{comp.pods.pods} pods"
+        parts.append(f"{name} {comp.allocation} ({where})")
+    return f"{desired.total_gpus} GPUs: " + ", ".join(parts)
+
+
+def _component(obj: dict[str, Any]) -> str:
+    return str(((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT, ""))
+
+
+def _trainer_components(desired: Plan) -> list[Any]:
+    return [c for c in desired.components.values() if c.role in TRAINER_ROLES and c.colocated_with is None]
+
+
+def _job_condition(job: dict[str, Any] | None, kind: str) -> dict[str, Any] | None:
+    if job is None:
+        return None
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == kind and cond.get("status") == "True":
+            return dict(cond)
+    return None
+
+
+def _job_complete(job: dict[str, Any] | None) -> bool:
+    return _job_condition(job, "Complete") is not None
+
+
+def _trainer_failure(
+    trainers: dict[str, dict[str, Any]], current: dict[str, str], pods: list[dict[str, Any]], restarts: int
+) -> str | None:
+    """Why the current trainer gang failed, or None."""
+    for role, name in current.items():
+        failed = _job_condition(trainers.get(name), "Failed")
+        if failed:
+            return f"{role} Job {name}: {failed.get('reason', 'Failed')}: {failed.get('message', '')}".rstrip(": ")
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if labels.get(LABEL_COMPONENT) not in TRAINER_ROLES or labels.get(LABEL_RESTART) != str(restarts):
+            continue
+        if (pod.get("status") or {}).get("phase") == "Failed":
+            return f"pod {pod['metadata']['name']} failed: {_pod_reason(pod)}"
+    return None
+
+
+def _pod_reason(pod: dict[str, Any]) -> str:
+    status = pod.get("status") or {}
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return f"container {cs.get('name')} exited with {term.get('exitCode')} ({term.get('reason', 'Error')})"
+    return str(status.get("reason") or status.get("message") or "Failed")
+
+
+def _backoff_left(old: dict[str, Any], restarts: int, now: datetime) -> float:
+    last = parse_time(old.get("lastRestartTime"))
+    if restarts == 0 or last is None:
+        return 0.0
+    return max(0.0, (last + timedelta(seconds=backoff_seconds(restarts)) - now).total_seconds())
+
+
+def _finish(decision: Decision, observed: Observed, now: datetime, spec: dict[str, Any]) -> None:
+    """A finished RLJob frees its rollout GPUs, keeps the trainer Job for inspection, and
+    deletes itself once its TTL has passed."""
+    decision.delete += [("StatefulSet", o["metadata"]["name"]) for o in observed.statefulsets]
+    ttl = spec.get("ttlSecondsAfterFinished")
+    done = parse_time(decision.status.get("completionTime"))
+    if ttl is None or done is None:
+        return
+    left = (done + timedelta(seconds=int(ttl)) - now).total_seconds()
+    if left <= 0:
+        decision.delete_self = True
+    else:
+        decision.requeue_after = left
+
+
+def _observe_pods(
+    desired: Plan, observed: Observed, status: dict[str, Any], cond: _Conditions, restarts: int, now: datetime
+) -> None:
+    current = [p for p in observed.pods if _is_current(p, restarts)]
+    expected = desired.total_pods
+    unschedulable = [p for p in current if _unschedulable(p)]
+    running = [p for p in current if (p.get("status") or {}).get("phase") == "Running"]
+    if unschedulable:
+        first = _unschedulable(unschedulable[0]) or ""
+        asks = sorted({_gpus_asked(p, desired.spec.gpu_resource_name) for p in unschedulable})
+        message = (
+            f"{len(unschedulable)} of {expected} pods cannot be scheduled; each asks for "
+            f"{' or '.join(str(a) for a in asks)} {desired.spec.gpu_resource_name} "
+            f"({desired.total_gpus} GPUs in total): {first}"
+        )
+        cond.set("Scheduled", False, "Unschedulable", message)
+        status["message"] = message
+    elif current and all((p.get("spec") or {}).get("nodeName") for p in current) and len(current) >= expected:
+        cond.set("Scheduled", True, "AllPodsScheduled", f"{len(current)} pods on nodes")
+    else:
+        cond.set("Scheduled", None, "Waiting", f"{len(current)} of {expected} pods exist")
+    if expected and len(running) >= expected:
+        status["phase"] = "Running"
+        status.setdefault("startTime", timestamp(now))
+        status["message"] = f"{len(running)} pods running"
+        cond.set("Running", True, "AllPodsRunning", f"{len(running)} of {expected} pods running")
+        cond.set("Restarting", False, "Running", "")
+    else:
+        status["phase"] = "Pending"
+        cond.set("Running", False, "PodsNotRunning", f"{len(running)} of {expected} pods running")
+
+
+def _is_current(pod: dict[str, Any], restarts: int) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    if labels.get(LABEL_COMPONENT) in TRAINER_ROLES:
+        return labels.get(LABEL_RESTART) == str(restarts)
+    return True
+
+
+def _unschedulable(pod: dict[str, Any]) -> str | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return str(c.get("message") or "Unschedulable")
+    return None
+
+
+def _gpus_asked(pod: dict[str, Any], resource: str) -> int:
+    total = 0
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        limits = (container.get("resources") or {}).get("limits") or {}
+        total += int(limits.get(resource, 0))
+    return total
+
+
+def _with_events(decision: Decision, old: dict[str, Any]) -> Decision:
+    """Events for what changed: the phase and each condition's status."""
+    new = decision.status
+    if new.get("phase") != old.get("phase"):
+        kind = "Warning" if new.get("phase") == "Failed" else "Normal"
+        decision.events.append((kind, f"Phase{new.get('phase')}", new.get("message") or str(new.get("phase"))))
+    for cond in new.get("conditions", []):
+        before = condition(old, cond["type"])
+        if before is None or before["status"] != cond["status"] or before["reason"] != cond["reason"]:
+            if cond["type"] == "Running" and cond["status"] != "True" and cond["reason"] == "PodsNotRunning":
+                continue  # too chatty: covered by phase events
+            kind = "Warning" if cond["reason"] in ("InvalidSpec", "Unschedulable", "TrainerFailed") else "Normal"
+            decision.events.append((kind, cond["reason"], cond["message"] or f"{cond['type']}={cond['status']}"))
+    return decision
