@@ -35,7 +35,8 @@ def sparse_attention(
     j_P1B = (kb_P[:, None] * b + offs_B)[:, None, :]
     allowed_PBB = (j_P1B <= i_PB1) & (i_PB1 < meta.token_end_N[j_P1B])
 
-    s_KGPBB = torch.einsum("kgpid,kpjd->kgpij", q_KGnBD[:, :, qb_P], k_KnBD[:, kb_P]).float() * scaling
+    s_KGPBB = torch.einsum("kgpid,kpjd->kgpij", q_KGnBD[:, :, qb_P], k_KnBD[:, kb_P])
+    s_KGPBB = s_KGPBB.to(torch.promote_types(s_KGPBB.dtype, torch.float32)) * scaling  # half -> fp32
     s_KGPBB = s_KGPBB.masked_fill(~allowed_PBB, float("-inf"))
     # Every query sees itself in its diagonal pair, so each row max below is finite.
     rowmax_KGPB = s_KGPBB.detach().amax(dim=-1)

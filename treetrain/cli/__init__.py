@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from treetrain import __version__
-from treetrain.cli import alloc
+from treetrain.cli import alloc, pack_stats
 
 # Each module adds its subcommand and sets ``func`` (args -> exit code).
-SUBCOMMANDS = (alloc,)
+SUBCOMMANDS = (alloc, pack_stats)
 
 
 def build_parser() -> argparse.ArgumentParser:

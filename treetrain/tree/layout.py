@@ -103,7 +103,7 @@ def layout_tree(
     assert num_tokens <= padded_len, (num_tokens, padded_len)
 
     node_start = sorted(parent_token)
-    node_end = [*node_start[1:], num_tokens]
+    node_end = [*node_start[1:], num_tokens] if node_start else []
     node_parent = [-1 if (t := parent_token[s]) < 0 else bisect_right(node_start, t) - 1 for s in node_start]
     subtree_end = list(node_end)
     for n in range(len(node_start) - 1, 0, -1):  # children come after parents

@@ -306,7 +306,7 @@ def _split_for_ranks(bins: list[_Bin], dp: int, lens: list[int], rmq: _RangeMin)
     """Split the biggest bins until every rank can get the same number of micro-batches."""
     target = max(1, math.ceil(len(bins) / dp)) * dp
     while len(bins) < target:
-        splittable = [b for b in bins if len(b.starts) > 1 or b.ends[0] - b.starts[0] > 1]
+        splittable = [b for b in bins if len(b.starts) > 1 or (b.starts and b.ends[0] - b.starts[0] > 1)]
         if not splittable:
             bins.append(_Bin(starts=[], ends=[], cost=0))  # an empty tree, one alignment unit long
             continue

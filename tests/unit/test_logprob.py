@@ -1,0 +1,138 @@
+"""Log-probs: the chunked gather against log_softmax, and tree_logprobs against each
+sequence run alone through tiny random Llama / Qwen2 / Qwen3 models (fp32, <= 1e-4)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from tree_helpers import tiny_model
+
+import treetrain
+from treetrain.logprob import gather_logprobs
+from treetrain.tree import PackingError
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+BACKENDS = ["dense", "sparse"]
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 16-token blocks: small trees span many blocks, and branches fall across block boundaries.
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
+    monkeypatch.delenv("TREETRAIN_ATTENTION", raising=False)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_gather_matches_log_softmax(chunk: int, with_entropy: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    pred = torch.tensor([0, 0, 1, 3, 3, 3, 6, 2])
+    label = torch.tensor([1, 4, 0, 10, 2, 2, 5, 7])
+    w1, w2 = torch.randn(8, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    logp, ent = gather_logprobs(logits, pred, label, chunk_size=chunk, with_entropy=with_entropy)
+    ref_lsm = torch.log_softmax(logits, -1)
+    ref_logp = ref_lsm[pred, label]
+    ref_ent = -(ref_lsm.exp() * ref_lsm).sum(-1)[pred]
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, ref_logp.float())
+    loss = (logp.double() * w1).sum() + ((ent.double() * w2).sum() if ent is not None else 0)
+    ref_loss = (ref_logp * w1).sum() + ((ref_ent * w2).sum() if with_entropy else 0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    (ref_grad,) = torch.autograd.grad(ref_loss, logits)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    if ent is not None:
+        torch.testing.assert_close(ent, ref_ent.float())
+
+
+def test_gather_upcasts_half_logits() -> None:
+    logits = torch.randn(5, 9).bfloat16()
+    logp, _ = gather_logprobs(logits, torch.tensor([0, 4]), torch.tensor([3, 8]), chunk_size=2)
+    assert logp.dtype == torch.float32
+    torch.testing.assert_close(logp, torch.log_softmax(logits.float(), -1)[[0, 4], [3, 8]])
+
+
+def _batch(seed: int) -> list[list[int]]:
+    """Siblings, a prefix of another sequence, an exact duplicate, single tokens, unrelated roots."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, 101) for _ in range(37)]
+    seqs = [prompt + [rng.randrange(1, 101) for _ in range(n)] for n in (1, 9, 16, 30)]
+    seqs += [seqs[2][:45], list(seqs[1]), [7], prompt[:1], [rng.randrange(1, 101) for _ in range(23)]]
+    seqs += [seqs[3][:52] + [rng.randrange(1, 101) for _ in range(11)]]
+    return seqs
+
+
+def _alone(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    logits = model(input_ids=torch.tensor([seq]), use_cache=False).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_parity(family: str, backend: str) -> None:
+    model = tiny_model(family)
+    seqs = _batch(1)
+    with torch.no_grad():
+        expected = [_alone(model, s) for s in seqs]
+        got = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=128, attention=backend)
+    assert len(got) == len(seqs)
+    for s, g, e in zip(seqs, got, expected, strict=True):
+        assert g.shape == (len(s) - 1,) and g.dtype == torch.float32
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradient_parity(family: str, backend: str) -> None:
+    seqs = _batch(2)
+    weights = [torch.linspace(-1, 1, len(s) - 1) for s in seqs]
+
+    def grads(tree: bool) -> dict[str, torch.Tensor]:
+        model = tiny_model(family)
+        if tree:
+            logps = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=128, attention=backend)
+        else:
+            logps = [_alone(model, s) for s in seqs]
+        loss = sum((lp * w).sum() for lp, w in zip(logps, weights, strict=True))
+        loss.backward()  # type: ignore[union-attr]
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    got, expected = grads(tree=True), grads(tree=False)
+    assert got.keys() == expected.keys()
+    for name, ref in expected.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()), msg=name)
+
+
+def test_many_trees_per_batch() -> None:
+    model = tiny_model("llama")
+    rng = random.Random(3)
+    seqs = [[rng.randrange(1, 101) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+    seqs += [[*s, 5, 6] for s in seqs]
+    with torch.no_grad():
+        got = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=48, attention="sparse")
+        for s, g in zip(seqs, got, strict=True):
+            torch.testing.assert_close(g, _alone(model, s), rtol=0, atol=1e-4)
+
+
+def test_bad_input_is_refused() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(PackingError, match="sequence 1 is empty"):
+        treetrain.tree_logprobs(model, [[1, 2], []], max_tokens_per_mb=128)
+    with pytest.raises(PackingError, match="sequence 0 has 200 tokens"):
+        treetrain.tree_logprobs(model, [[1] * 200], max_tokens_per_mb=128)
+    with pytest.raises(PackingError, match="multiple of 16"):
+        treetrain.tree_logprobs(model, [[1, 2]], max_tokens_per_mb=100)
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        treetrain.tree_logprobs(model, [[1, 2]], max_tokens_per_mb=128, attention="fast")
+    assert treetrain.tree_logprobs(model, [], max_tokens_per_mb=128) == []
+
+
+def test_import_treetrain_stays_torch_free() -> None:
+    code = "import sys, treetrain, treetrain.tree, treetrain.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    assert callable(treetrain.tree_logprobs)
