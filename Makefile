@@ -4,8 +4,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# Extras the test suite needs; later issues add `train` here when tests need torch.
-TEST_EXTRAS ?= dev,operator
+# Extras the test suite needs (`train`: torch + transformers for the tree attention and log-prob tests).
+TEST_EXTRAS ?= dev,operator,train
 
 .PHONY: test run install lint unit
 
