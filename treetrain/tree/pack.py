@@ -51,6 +51,8 @@ class PackConfig:
     parallel_size: int = 1
     dp_size: int = 1
     pad_to_max: bool = False
+    # False packs the same sequences flat (no sharing): the baseline that trees are measured against.
+    share_prefixes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "parallel_size", "dp_size"):
@@ -211,6 +213,8 @@ def pack(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackedBatch:
     seqs = _validate(sequences, cap)
     n = len(seqs)
     order, lcp = trie_order(seqs)
+    if not config.share_prefixes:
+        lcp = [0] * n
     lens = [len(seqs[i]) for i in order]
     # prefix[k] = sum over j < k of the tokens sorted sequence j adds after j - 1
     prefix = [0] * (n + 1)
