@@ -104,9 +104,10 @@ def _crd(args: argparse.Namespace) -> int:
 def _operator(args: argparse.Namespace) -> int:
     from rljob_operator.runner import run_operator
 
-    return run_operator(
+    code: int = run_operator(
         namespaces=args.namespace, metrics_port=args.metrics_port, liveness_port=args.liveness_port, bind=args.bind
     )
+    return code
 
 
 if __name__ == "__main__":

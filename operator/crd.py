@@ -93,12 +93,12 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
             if len(concrete) != 1:  # pragma: no cover - the models have no real unions
                 raise ValueError(f"cannot express the union {options} in a structural schema")
             rest = {k: v for k, v in node.items() if k != "anyOf"}
-            out = convert({**concrete[0], **rest})
+            single = convert({**concrete[0], **rest})
             if len(concrete) < len(options):
-                out["nullable"] = True
-            if out.get("default", "") is None:
-                del out["default"]
-            return out
+                single["nullable"] = True
+            if single.get("default", "") is None:
+                del single["default"]
+            return single
         out: dict[str, Any] = {}
         for key, value in node.items():
             if key in _DROP:

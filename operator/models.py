@@ -21,6 +21,8 @@ SHORT_NAME = "rlj"
 DEFAULT_TRAINER_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 
+MAX_BACKEND = 128  # bounds the cost of the CEL rules below
+
 Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 Attention = Literal["auto", "flex", "triton", "sparse", "dense"]
 
@@ -60,7 +62,9 @@ class Images(_Model):
 class RolloutEngine(_Model):
     """One inference engine: `backend` is `sglang:...` or `vllm:...`; `d` = server instances."""
 
-    backend: str = Field(min_length=1, description="Backend string, e.g. sglang:d2t4 (2 servers x 4 GPUs).")
+    backend: str = Field(
+        min_length=1, max_length=MAX_BACKEND, description="Backend string, e.g. sglang:d2t4 (2 servers x 4 GPUs)."
+    )
     server_args: list[str] = Field(
         default_factory=list, description="Extra command-line flags for the server, appended as given."
     )
@@ -83,14 +87,16 @@ class TreeTraining(_Model):
 
 
 class Actor(_Model):
-    backend: str = Field(min_length=1, description="Backend string: fsdp:..., megatron:... or archon:....")
+    backend: str = Field(
+        min_length=1, max_length=MAX_BACKEND, description="Backend string: fsdp:..., megatron:... or archon:...."
+    )
     tree_training: TreeTraining = Field(default_factory=TreeTraining)
 
 
 class Auxiliary(_Model):
     """A critic or reference model; an empty backend means: the actor's."""
 
-    backend: str = Field(default="", description="Backend string; empty = the actor's backend.")
+    backend: str = Field(default="", max_length=MAX_BACKEND, description="Backend string; empty = the actor's backend.")
     colocated: bool = Field(
         default=True, description="Run in the actor's trainer pods (needs the same world size as the actor)."
     )
@@ -128,11 +134,6 @@ class RLJobSpec(_Model):
                 "r.backend.startsWith('sglang:') || r.backend.startsWith('vllm:'))",
                 "additionalRollouts[].backend must be sglang:... or vllm:...",
             ),
-            (
-                "!has(self.additionalRollouts) || "
-                "self.additionalRollouts.all(a, self.additionalRollouts.exists_one(b, b.name == a.name))",
-                "additionalRollouts names must be unique",
-            ),
             (_TRAINING.replace("self.backend", "self.actor.backend"), "actor.backend must be fsdp:..., megatron:... or archon:..."),
             (
                 "!has(self.critic) || self.critic.backend == '' || "
@@ -152,7 +153,10 @@ class RLJobSpec(_Model):
     gpu_resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
     rollout: RolloutEngine
     additional_rollouts: list[NamedRolloutEngine] = Field(
-        default_factory=list, description="More rollout engines (e.g. a second model size).", max_length=8
+        default_factory=list,
+        description="More rollout engines (e.g. a second model size); names are unique.",
+        max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     actor: Actor
     critic: Auxiliary | None = None
@@ -162,6 +166,9 @@ class RLJobSpec(_Model):
     )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     max_restarts: int = Field(default=3, ge=0, description="Trainer gang restarts before the RLJob fails.")
+    restart_backoff_seconds: int = Field(
+        default=10, ge=0, le=3600, description="Wait before the first restart; doubles each time, at most 5 minutes."
+    )
     suspend: bool = Field(default=False, description="true removes the pods and keeps the RLJob; false resumes.")
     scheduling: Scheduling = Field(default_factory=Scheduling)
     ttl_seconds_after_finished: int | None = Field(

@@ -460,7 +460,7 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
         # Model loading can take many minutes; the startup probe covers it.
         "startupProbe": {"httpGet": {"path": "/health", "port": engine.port}, "periodSeconds": 10, "failureThreshold": 180},
     }
-    statefulset = {
+    statefulset: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta(plan, sts, "rollout", {LABEL_ENGINE: name}),

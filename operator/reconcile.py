@@ -21,7 +21,6 @@ from typing import Any
 from rljob_operator.models import RLJobStatus
 from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Plan, PlanError, plan, trainer_job_name
 
-BACKOFF_BASE_SECONDS = 10.0
 BACKOFF_MAX_SECONDS = 300.0
 WORKLOAD_KINDS = ("Job", "StatefulSet")
 TRAINER_ROLES = ("actor", "critic", "ref")
@@ -57,9 +56,9 @@ def parse_time(text: str | None) -> datetime | None:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
-def backoff_seconds(restarts: int) -> float:
-    """Delay before restart ``restarts`` (1-based): 10 s, 20 s, 40 s, ... capped at 5 min."""
-    return min(BACKOFF_BASE_SECONDS * 2 ** max(restarts - 1, 0), BACKOFF_MAX_SECONDS)
+def backoff_seconds(restarts: int, base: float) -> float:
+    """Delay before restart ``restarts`` (1-based): base, 2*base, 4*base, ... capped at 5 min."""
+    return min(base * 2.0 ** max(restarts - 1, 0), BACKOFF_MAX_SECONDS)
 
 
 def set_condition(
@@ -160,15 +159,15 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
             _finish(decision, observed, now, spec)
             return _with_events(decision, old)
         status.update(restarts=restarts + 1, lastRestartTime=timestamp(now), phase="Pending")
+        cond.set("Running", False, "Restarting", f"restart {restarts + 1} of {max_restarts}")
         status["message"] = f"restarting the trainer gang ({restarts + 1}/{max_restarts}): {failure}"
         cond.set("Restarting", True, "TrainerFailed", status["message"])
-        cond.set("Running", False, "Restarting", status["message"])
         decision.delete += [("Job", name) for name in trainers if ("Job", name) not in decision.delete]
-        decision.requeue_after = backoff_seconds(restarts + 1)
+        decision.requeue_after = backoff_seconds(restarts + 1, desired.spec.restart_backoff_seconds)
         return _with_events(decision, old)
 
     # Create or update everything of the current gang at once (rollout servers and trainers).
-    wait = _backoff_left(old, restarts, now)
+    wait = _backoff_left(old, restarts, now, desired.spec.restart_backoff_seconds)
     for obj in desired.objects:
         if obj["kind"] == "Job":
             if wait > 0 or obj["metadata"]["name"] in stale:
@@ -203,7 +202,8 @@ def _invalid(status: dict[str, Any]) -> bool:
 def _describe(desired: Plan) -> str:
     parts = []
     for name, comp in desired.components.items():
-        where = f"in {comp.colocated_with}'s pods" if comp.colocated_with else f"{comp.pods.pods} pods"
+        pods = comp.pods.pods
+        where = f"in {comp.colocated_with}'s pods" if comp.colocated_with else f"{pods} pod{'s' if pods != 1 else ''}"
         parts.append(f"{name} {comp.allocation} ({where})")
     return f"{desired.total_gpus} GPUs: " + ", ".join(parts)
 
@@ -255,11 +255,11 @@ def _pod_reason(pod: dict[str, Any]) -> str:
     return str(status.get("reason") or status.get("message") or "Failed")
 
 
-def _backoff_left(old: dict[str, Any], restarts: int, now: datetime) -> float:
+def _backoff_left(old: dict[str, Any], restarts: int, now: datetime, base: float) -> float:
     last = parse_time(old.get("lastRestartTime"))
     if restarts == 0 or last is None:
         return 0.0
-    return max(0.0, (last + timedelta(seconds=backoff_seconds(restarts)) - now).total_seconds())
+    return max(0.0, (last + timedelta(seconds=backoff_seconds(restarts, base)) - now).total_seconds())
 
 
 def _finish(decision: Decision, observed: Observed, now: datetime, spec: dict[str, Any]) -> None:
@@ -333,17 +333,20 @@ def _gpus_asked(pod: dict[str, Any], resource: str) -> int:
     return total
 
 
+WARNING_REASONS = ("InvalidSpec", "Unschedulable", "TrainerFailed")
+
+
 def _with_events(decision: Decision, old: dict[str, Any]) -> Decision:
-    """Events for what changed: the phase and each condition's status."""
+    """One event per real transition: a new phase, a condition that became true, a warning."""
     new = decision.status
     if new.get("phase") != old.get("phase"):
         kind = "Warning" if new.get("phase") == "Failed" else "Normal"
         decision.events.append((kind, f"Phase{new.get('phase')}", new.get("message") or str(new.get("phase"))))
     for cond in new.get("conditions", []):
         before = condition(old, cond["type"])
-        if before is None or before["status"] != cond["status"] or before["reason"] != cond["reason"]:
-            if cond["type"] == "Running" and cond["status"] != "True" and cond["reason"] == "PodsNotRunning":
-                continue  # too chatty: covered by phase events
-            kind = "Warning" if cond["reason"] in ("InvalidSpec", "Unschedulable", "TrainerFailed") else "Normal"
-            decision.events.append((kind, cond["reason"], cond["message"] or f"{cond['type']}={cond['status']}"))
+        if before is not None and (before["status"], before["reason"]) == (cond["status"], cond["reason"]):
+            continue
+        warning = cond["reason"] in WARNING_REASONS
+        if cond["status"] == "True" or warning:
+            decision.events.append(("Warning" if warning else "Normal", cond["reason"], cond["message"] or cond["type"]))
     return decision

@@ -1,0 +1,209 @@
+"""kopf wiring: watch RLJobs and their children, reconcile each RLJob through a work queue.
+
+The handlers are thin: any event on an RLJob or on one of its children (pods, Jobs,
+StatefulSets) only queues that RLJob. One worker per RLJob at a time runs
+``reconcile_one``, which reads the current state, asks the pure ``decide`` what to do,
+does it, and patches the status if it changed. Time-based steps (restart backoff,
+TTL) come back through the queue's delays; a periodic resync catches anything missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from rljob_operator.kube import Conflict, Kube
+from rljob_operator.metrics import Metrics
+from rljob_operator.models import GROUP, PLURAL, VERSION
+from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
+from rljob_operator.reconcile import Decision, Observed, decide
+
+log = logging.getLogger("rljob_operator")
+
+Key = tuple[str, str]  # (namespace, name)
+RESYNC_SECONDS = 30.0
+
+
+class WorkQueue:
+    """Keys due at a time; each key is processed by at most one worker at once."""
+
+    def __init__(self) -> None:
+        self._due: dict[Key, float] = {}
+        self._running: set[Key] = set()
+        self._wakeup = asyncio.Event()
+
+    def add(self, key: Key, delay: float = 0.0) -> None:
+        due = time.monotonic() + delay
+        if key not in self._due or due < self._due[key]:
+            self._due[key] = due
+        self._wakeup.set()
+
+    async def run(self, worker: Callable[[Key], Awaitable[None]], concurrency: int = 4) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def process(key: Key) -> None:
+            try:
+                await worker(key)
+            finally:
+                self._running.discard(key)
+                self._wakeup.set()
+
+        while True:
+            now = time.monotonic()
+            ready = sorted((due, key) for key, due in self._due.items() if due <= now and key not in self._running)
+            for _, key in ready[: max(concurrency - len(self._running), 0)]:
+                del self._due[key]
+                self._running.add(key)
+                task = asyncio.create_task(process(key))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            future = [due for key, due in self._due.items() if key not in self._running]
+            timeout = max(min(future) - now, 0.01) if future else None
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
+            except TimeoutError:
+                pass
+
+
+class Controller:
+    """Reconciles RLJobs: shared by the kopf handlers and the work queue."""
+
+    def __init__(self, kube: Kube, metrics: Metrics) -> None:
+        self.kube = kube
+        self.metrics = metrics
+        self.queue = WorkQueue()
+        self.known: set[Key] = set()
+
+    async def worker(self, key: Key) -> None:
+        started = time.monotonic()
+        try:
+            requeue = await asyncio.to_thread(self.reconcile_one, *key)
+        except Conflict:
+            requeue = 0.5  # someone changed the RLJob or a child meanwhile: read again
+        except Exception:
+            self.metrics.errors.inc()
+            log.exception("reconciling %s/%s failed; retrying in 5 s", *key)
+            requeue = 5.0
+        finally:
+            self.metrics.reconcile.observe(time.monotonic() - started)
+        if requeue is not None:
+            self.queue.add(key, requeue)
+
+    def reconcile_one(self, namespace: str, name: str) -> float | None:
+        """One level-based pass over one RLJob; returns when to look again (seconds) or None."""
+        rljob = self.kube.get("RLJob", namespace, name)
+        if rljob is None:
+            self.known.discard((namespace, name))
+            self.metrics.observe(namespace, name, None, {})
+            return None
+        self.known.add((namespace, name))
+        observed = Observed(
+            jobs=self.kube.children("Job", namespace, name),
+            statefulsets=self.kube.children("StatefulSet", namespace, name),
+            pods=self.kube.children("Pod", namespace, name),
+        )
+        decision = decide(rljob, observed, datetime.now(UTC))
+        self._carry_out(rljob, decision)
+        if decision.delete_self:
+            self.kube.delete("RLJob", namespace, name)
+            return None
+        old = rljob.get("status") or {}
+        if decision.status != old:
+            self.kube.patch_status(namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"])
+            for kind, reason, message in decision.events:
+                self._event(rljob, kind, reason, message)
+            if decision.status.get("restarts", 0) > old.get("restarts", 0):
+                self.metrics.restarts.labels(namespace=namespace).inc()
+        gpus = {c: a["gpus"] for c, a in decision.status.get("allocation", {}).items()}
+        active = decision.status.get("phase") in ("Pending", "Running")
+        self.metrics.observe(namespace, name, decision.status.get("phase"), gpus if active else {})
+        return decision.requeue_after
+
+    def _carry_out(self, rljob: dict[str, Any], decision: Decision) -> None:
+        namespace = rljob["metadata"]["namespace"]
+        for kind, child in decision.delete:
+            self.kube.delete(kind, namespace, child)
+        for obj in decision.apply:
+            self.kube.apply(obj)
+        for obj in decision.create_only:
+            self.kube.create_if_missing(obj)
+
+    def _event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        try:
+            self.kube.event(rljob, kind, reason, message)
+        except ApiException as exc:  # events are best effort; never fail a reconcile for one
+            log.warning("could not post event %s on %s: %s", reason, rljob["metadata"]["name"], exc.reason)
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch that turns ``old`` into ``new`` (missing keys become null)."""
+    patch: dict[str, Any] = dict(new)
+    for key, value in old.items():
+        if key not in new:
+            patch[key] = None
+        elif isinstance(value, dict) and isinstance(new[key], dict):
+            patch[key] = merge_patch(value, new[key])
+    return patch
+
+
+def build_registry(controller: Controller) -> kopf.OperatorRegistry:
+    """kopf handlers bound to ``controller``, in their own registry (no global state)."""
+    registry = kopf.OperatorRegistry()
+    children: dict[str, Any] = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_RLJOB: kopf.PRESENT}
+
+    @kopf.on.startup(registry=registry)
+    async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.peering.standalone = True
+        settings.posting.enabled = False  # events are posted by the controller, per transition
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        memo["queue_task"] = asyncio.create_task(controller.queue.run(controller.worker))
+        memo["resync_task"] = asyncio.create_task(_resync(controller))
+
+    @kopf.on.cleanup(registry=registry)
+    async def stop(memo: kopf.Memo, **_: Any) -> None:
+        for name in ("queue_task", "resync_task"):
+            task = memo.get(name)
+            if task is not None:
+                task.cancel()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        c = controller.kube.credentials()
+        return kopf.ConnectionInfo(
+            server=c.server,
+            ca_path=c.ca_path,
+            insecure=c.insecure,
+            scheme="Bearer" if c.token else None,
+            token=c.token,
+            certificate_path=c.certificate_path,
+            private_key_path=c.private_key_path,
+        )
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    def rljob_changed(namespace: str | None, name: str, **_: Any) -> None:
+        controller.queue.add((namespace or "default", name))
+
+    def child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+        controller.queue.add((namespace or "default", labels[LABEL_RLJOB]))
+
+    for group, version, plural in (("", "v1", "pods"), ("batch", "v1", "jobs"), ("apps", "v1", "statefulsets")):
+        kopf.on.event(group, version, plural, labels=children, registry=registry)(child_changed)
+    return registry
+
+
+async def _resync(controller: Controller) -> None:
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        for key in list(controller.known):
+            controller.queue.add(key)

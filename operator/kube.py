@@ -1,0 +1,200 @@
+"""The one place that talks to the Kubernetes API (besides kopf's own watches).
+
+A thin REST layer over the official client: server-side apply under one field
+manager, create-if-missing, delete, list children by label, status patches and events.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
+from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
+
+FIELD_MANAGER = MANAGED_BY
+
+# kind -> (API prefix, plural)
+_PATHS = {
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Service": ("/api/v1", "services"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "Job": ("/apis/batch/v1", "jobs"),
+    KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+
+
+class Conflict(Exception):
+    """The API server answered 409 (a concurrent writer); retry later."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What kopf needs to log in with the same identity as this client."""
+
+    server: str
+    ca_path: str | None
+    insecure: bool
+    token: str | None
+    certificate_path: str | None
+    private_key_path: str | None
+
+
+def load_client(kubeconfig: str | None = None) -> ApiClient:
+    """In a pod: the ServiceAccount; else ``kubeconfig`` or $KUBECONFIG / ~/.kube/config."""
+    if kubeconfig is None:
+        try:
+            kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
+            return ApiClient()
+        except kubernetes.config.ConfigException:
+            pass
+    client: ApiClient = kubernetes.config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
+    return client
+
+
+class Kube:
+    def __init__(self, client: ApiClient) -> None:
+        self.client = client
+
+    def credentials(self) -> Credentials:
+        c = self.client.configuration
+        token = (c.api_key or {}).get("authorization") or (c.api_key or {}).get("BearerToken")
+        if token and token.lower().startswith("bearer "):
+            token = token[7:]
+        return Credentials(
+            server=c.host,
+            ca_path=c.ssl_ca_cert,
+            insecure=not c.verify_ssl,
+            token=token,
+            certificate_path=c.cert_file,
+            private_key_path=c.key_file,
+        )
+
+    # -- raw REST ------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        params = self.client.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.client.call_api(*params)
+        response.read()  # type: ignore[no-untyped-call]
+        if not 200 <= response.status < 300:
+            if response.status == 409:
+                raise Conflict(f"{method} {path}: {response.data!r}")
+            raise ApiException(status=response.status, reason=response.reason, body=response.data)
+        data: Any = json.loads(response.data) if response.data else {}
+        return data
+
+    @staticmethod
+    def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+        prefix, plural = _PATHS[kind]
+        path = f"{prefix}/namespaces/{namespace}/{plural}"
+        if name:
+            path += f"/{name}"
+        if sub:
+            path += f"/{sub}"
+        return path
+
+    # -- reads -----------------------------------------------------------------
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj: dict[str, Any] = self._call("GET", self._path(kind, namespace, name))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return obj
+
+    def children(self, kind: str, namespace: str, rljob: str) -> list[dict[str, Any]]:
+        selector = f"{LABEL_RLJOB}={rljob},app.kubernetes.io/managed-by={MANAGED_BY}"
+        data = self._call("GET", self._path(kind, namespace), query=[("labelSelector", selector)])
+        items: list[dict[str, Any]] = data.get("items") or []
+        return items
+
+    # -- writes ----------------------------------------------------------------
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply: creates or updates, one field manager, idempotent."""
+        meta = obj["metadata"]
+        result: dict[str, Any] = self._call(
+            "PATCH",
+            self._path(obj["kind"], meta["namespace"], meta["name"]),
+            body=obj,
+            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
+            content_type="application/apply-patch+yaml",
+        )
+        return result
+
+    def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; an existing object of the same name is adopted as is. True if created."""
+        meta = obj["metadata"]
+        try:
+            self._call("POST", self._path(obj["kind"], meta["namespace"]), body=obj, query=[("fieldManager", FIELD_MANAGER)])
+        except Conflict:
+            return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
+        return True
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        # Background propagation: the garbage collector removes the pods.
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        try:
+            self._call("DELETE", self._path(kind, namespace, name), body=body)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> None:
+        """Replace the status; ``resource_version`` makes a concurrent change a Conflict."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": status}
+        self._call(
+            "PATCH",
+            self._path(KIND, namespace, name, "status"),
+            body=json.loads(json.dumps(body)),
+            content_type="application/merge-patch+json",
+        )
+
+    def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = rljob["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message[:1024],  # the API limit is larger; keep events readable
+            "source": {"component": MANAGED_BY},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._call("POST", self._path("Event", meta["namespace"]), body=body)

@@ -1,0 +1,52 @@
+"""Run the operator: from ``rljob operator`` (a pod or a laptop) or inside a test process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import kopf
+from prometheus_client import start_http_server
+
+from rljob_operator.handlers import Controller, build_registry
+from rljob_operator.kube import Kube, load_client
+from rljob_operator.metrics import Metrics
+
+
+def make_controller(kubeconfig: str | None = None) -> Controller:
+    return Controller(Kube(load_client(kubeconfig)), Metrics())
+
+
+async def serve(
+    controller: Controller,
+    *,
+    namespaces: list[str],
+    liveness_endpoint: str | None = None,
+    stop_flag: asyncio.Event | threading.Event | None = None,
+    ready_flag: asyncio.Event | threading.Event | None = None,
+) -> None:
+    """Run kopf with this controller's handlers until ``stop_flag`` is set."""
+    await kopf.operator(
+        registry=build_registry(controller),
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness_endpoint,
+        standalone=True,
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+        memo=kopf.Memo(),
+    )
+
+
+def run_operator(*, namespaces: list[str], metrics_port: int, liveness_port: int, bind: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call is noise
+    controller = make_controller()
+    if metrics_port:
+        start_http_server(metrics_port, addr=bind, registry=controller.metrics.registry)
+    liveness = f"http://{bind}:{liveness_port}/healthz" if liveness_port else None
+    scope = ", ".join(namespaces) if namespaces else "all namespaces"
+    logging.getLogger("rljob_operator").info("watching RLJobs in %s", scope)
+    asyncio.run(serve(controller, namespaces=namespaces, liveness_endpoint=liveness))
+    return 0
