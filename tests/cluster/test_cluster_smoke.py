@@ -1,0 +1,379 @@
+"""Smoke tests of the test control plane: the real scheduler, controllers and garbage collector,
+with kwok playing the kubelets of simulated GPU nodes."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+if TYPE_CHECKING:
+    from conftest import Cluster
+
+pytestmark = pytest.mark.cluster
+
+T = TypeVar("T")
+GPU = "nvidia.com/gpu"
+TIMEOUT = 60.0
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = TIMEOUT) -> T:
+    """Poll `probe` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last saw: {last!r}")
+
+
+def gone(read: Callable[[], object]) -> bool:
+    try:
+        read()
+    except ApiException as e:
+        if e.status == 404:
+            return True
+        raise
+    return False
+
+
+def container(name: str = "main", gpus: int = 0) -> client.V1Container:
+    limits = {GPU: str(gpus)} if gpus else None
+    return client.V1Container(
+        name=name, image="treetrain/sim:none", resources=client.V1ResourceRequirements(limits=limits)
+    )
+
+
+def pod_phases(core: client.CoreV1Api, ns: str, selector: str) -> dict[str, str]:
+    pods = core.list_namespaced_pod(ns, label_selector=selector).items
+    return {p.metadata.name: p.status.phase for p in pods}
+
+
+def test_nodes_are_simulated_gpu_nodes(cluster: Cluster) -> None:
+    nodes = client.CoreV1Api(cluster.api).list_node().items
+    gpu_nodes = [n for n in nodes if n.metadata.name.startswith("gpu-node-")]
+    assert len(gpu_nodes) == 4
+    for node in gpu_nodes:
+        assert node.status.allocatable[GPU] == "8"
+        assert node.metadata.labels["nvidia.com/gpu.present"] == "true"
+        ready = {c.type: c.status for c in node.status.conditions}["Ready"]
+        assert ready == "True"
+        assert not node.spec.taints
+
+
+def test_indexed_gpu_job_is_scheduled_runs_and_completes(cluster: Cluster, namespace: str) -> None:
+    core, batch = client.CoreV1Api(cluster.api), client.BatchV1Api(cluster.api)
+    template = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(
+            labels={"app": "trainer", "sim.treetrain.dev/succeed": "true"},
+            annotations={"sim.treetrain.dev/run-for": "4s"},
+        ),
+        spec=client.V1PodSpec(restart_policy="Never", containers=[container(gpus=8)]),
+    )
+    job = client.V1Job(
+        metadata=client.V1ObjectMeta(name="trainer"),
+        spec=client.V1JobSpec(
+            completions=4, parallelism=4, completion_mode="Indexed", backoff_limit=0, template=template
+        ),
+    )
+    batch.create_namespaced_job(namespace, job)
+
+    running = wait_for(
+        "4 Running trainer pods",
+        lambda: (
+            pods
+            if len(pods := core.list_namespaced_pod(namespace, label_selector="app=trainer").items) == 4
+            and all(p.status.phase == "Running" for p in pods)
+            else None
+        ),
+    )
+    # One whole 8-GPU node per pod: the scheduler spread them over the 4 nodes.
+    assert sorted(p.spec.node_name for p in running) == [f"gpu-node-{i}" for i in range(4)]
+    indexes = sorted(p.metadata.annotations["batch.kubernetes.io/job-completion-index"] for p in running)
+    assert indexes == ["0", "1", "2", "3"]
+    for pod in running:
+        assert ipaddress.ip_address(pod.status.pod_ip).is_loopback, pod.status.pod_ip
+        assert all(s.ready for s in pod.status.container_statuses)
+
+    done = wait_for(
+        "Job trainer Complete",
+        lambda: (
+            j
+            if (j := batch.read_namespaced_job_status("trainer", namespace)).status.conditions
+            and any(c.type == "Complete" and c.status == "True" for c in j.status.conditions)
+            else None
+        ),
+    )
+    assert done.status.succeeded == 4
+    assert done.status.completed_indexes == "0-3"
+    assert set(pod_phases(core, namespace, "app=trainer").values()) == {"Succeeded"}
+
+
+def test_pod_asking_for_too_many_gpus_stays_pending(cluster: Cluster, namespace: str) -> None:
+    core = client.CoreV1Api(cluster.api)
+    pod = client.V1Pod(
+        metadata=client.V1ObjectMeta(name="greedy"),
+        spec=client.V1PodSpec(containers=[container(gpus=9)]),
+    )
+    core.create_namespaced_pod(namespace, pod)
+
+    def unschedulable() -> client.V1PodCondition | None:
+        status = core.read_namespaced_pod_status("greedy", namespace).status
+        for cond in status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False" and cond.reason == "Unschedulable":
+                return cond
+        return None
+
+    cond = wait_for("PodScheduled=False/Unschedulable", unschedulable)
+    assert f"Insufficient {GPU}" in cond.message
+    time.sleep(2)
+    pod = core.read_namespaced_pod("greedy", namespace)
+    assert pod.status.phase == "Pending"
+    assert pod.spec.node_name is None
+
+
+def test_chosen_pod_can_be_made_to_fail(cluster: Cluster, namespace: str) -> None:
+    core = client.CoreV1Api(cluster.api)
+    pod = client.V1Pod(
+        metadata=client.V1ObjectMeta(name="victim"),
+        spec=client.V1PodSpec(restart_policy="Never", containers=[container(gpus=1)]),
+    )
+    core.create_namespaced_pod(namespace, pod)
+    wait_for("victim Running", lambda: core.read_namespaced_pod("victim", namespace).status.phase == "Running")
+    time.sleep(1)
+    assert core.read_namespaced_pod("victim", namespace).status.phase == "Running"  # no stray exit
+
+    patch = {
+        "metadata": {
+            "labels": {"sim.treetrain.dev/fail": "true"},
+            "annotations": {"sim.treetrain.dev/exit-code": "3", "sim.treetrain.dev/reason": "OOMKilled"},
+        }
+    }
+    core.patch_namespaced_pod("victim", namespace, patch)
+    failed = wait_for(
+        "victim Failed",
+        lambda: p if (p := core.read_namespaced_pod("victim", namespace)).status.phase == "Failed" else None,
+    )
+    terminated = failed.status.container_statuses[0].state.terminated
+    assert (terminated.exit_code, terminated.reason) == (3, "OOMKilled")
+
+
+def test_job_with_failing_pod_fails(cluster: Cluster, namespace: str) -> None:
+    batch = client.BatchV1Api(cluster.api)
+    template = client.V1PodTemplateSpec(
+        metadata=client.V1ObjectMeta(labels={"sim.treetrain.dev/fail": "true"}),
+        spec=client.V1PodSpec(restart_policy="Never", containers=[container(gpus=1)]),
+    )
+    job = client.V1Job(
+        metadata=client.V1ObjectMeta(name="doomed"),
+        spec=client.V1JobSpec(backoff_limit=0, template=template),
+    )
+    batch.create_namespaced_job(namespace, job)
+    failed = wait_for(
+        "Job doomed Failed",
+        lambda: (
+            j
+            if (j := batch.read_namespaced_job_status("doomed", namespace)).status.conditions
+            and any(c.type == "Failed" and c.status == "True" for c in j.status.conditions)
+            else None
+        ),
+    )
+    assert failed.status.failed == 1
+
+
+def test_deleting_owner_garbage_collects_children(cluster: Cluster, namespace: str) -> None:
+    core, apps = client.CoreV1Api(cluster.api), client.AppsV1Api(cluster.api)
+    labels = {"app": "rollout"}
+    deployment = client.V1Deployment(
+        metadata=client.V1ObjectMeta(name="rollout"),
+        spec=client.V1DeploymentSpec(
+            replicas=2,
+            selector=client.V1LabelSelector(match_labels=labels),
+            template=client.V1PodTemplateSpec(
+                metadata=client.V1ObjectMeta(labels=labels),
+                spec=client.V1PodSpec(containers=[container(gpus=2)]),
+            ),
+        ),
+    )
+    apps.create_namespaced_deployment(namespace, deployment)
+    wait_for(
+        "2 Running rollout pods",
+        lambda: list(pod_phases(core, namespace, "app=rollout").values()) == ["Running"] * 2,
+    )
+    rs = apps.list_namespaced_replica_set(namespace).items
+    assert len(rs) == 1 and rs[0].metadata.owner_references[0].kind == "Deployment"
+
+    # An object owned by a ConfigMap, to check the collector on plain owner references too.
+    owner = core.create_namespaced_config_map(namespace, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="owner")))
+    ref = client.V1OwnerReference(
+        api_version="v1", kind="ConfigMap", name="owner", uid=owner.metadata.uid, block_owner_deletion=True
+    )
+    child_meta = client.V1ObjectMeta(name="child", owner_references=[ref])
+    core.create_namespaced_config_map(namespace, client.V1ConfigMap(metadata=child_meta))
+
+    apps.delete_namespaced_deployment("rollout", namespace, propagation_policy="Background")
+    core.delete_namespaced_config_map("owner", namespace, propagation_policy="Foreground")
+    wait_for("ReplicaSet collected", lambda: not apps.list_namespaced_replica_set(namespace).items)
+    wait_for("rollout pods collected", lambda: not pod_phases(core, namespace, "app=rollout"))
+    wait_for("child ConfigMap collected", lambda: gone(lambda: core.read_namespaced_config_map("child", namespace)))
+    wait_for("owner ConfigMap deleted", lambda: gone(lambda: core.read_namespaced_config_map("owner", namespace)))
+
+
+def test_deleting_a_namespace_finishes(cluster: Cluster) -> None:
+    core, apps = client.CoreV1Api(cluster.api), client.AppsV1Api(cluster.api)
+    ns = "doomed-namespace"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    labels = {"app": "x"}
+    apps.create_namespaced_deployment(
+        ns,
+        client.V1Deployment(
+            metadata=client.V1ObjectMeta(name="x"),
+            spec=client.V1DeploymentSpec(
+                replicas=1,
+                selector=client.V1LabelSelector(match_labels=labels),
+                template=client.V1PodTemplateSpec(
+                    metadata=client.V1ObjectMeta(labels=labels),
+                    spec=client.V1PodSpec(containers=[container()]),
+                ),
+            ),
+        ),
+    )
+    core.create_namespaced_config_map(ns, client.V1ConfigMap(metadata=client.V1ObjectMeta(name="c")))
+    wait_for("x pod Running", lambda: list(pod_phases(core, ns, "app=x").values()) == ["Running"])
+
+    core.delete_namespace(ns)
+    wait_for("namespace deleted", lambda: gone(lambda: core.read_namespace(ns)))
+
+
+def test_statefulset_with_headless_service_has_stable_names(cluster: Cluster, namespace: str) -> None:
+    core, apps = client.CoreV1Api(cluster.api), client.AppsV1Api(cluster.api)
+    labels = {"app": "rollout"}
+    core.create_namespaced_service(
+        namespace,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="rollout"),
+            spec=client.V1ServiceSpec(
+                cluster_ip="None",
+                selector=labels,
+                ports=[client.V1ServicePort(name="http", port=30000)],
+            ),
+        ),
+    )
+    apps.create_namespaced_stateful_set(
+        namespace,
+        client.V1StatefulSet(
+            metadata=client.V1ObjectMeta(name="rollout"),
+            spec=client.V1StatefulSetSpec(
+                service_name="rollout",
+                replicas=3,
+                pod_management_policy="Parallel",
+                selector=client.V1LabelSelector(match_labels=labels),
+                template=client.V1PodTemplateSpec(
+                    metadata=client.V1ObjectMeta(labels=labels),
+                    spec=client.V1PodSpec(containers=[container(gpus=4)]),
+                ),
+            ),
+        ),
+    )
+    names = ["rollout-0", "rollout-1", "rollout-2"]
+    wait_for(
+        "3 Running rollout pods",
+        lambda: pod_phases(core, namespace, "app=rollout") == dict.fromkeys(names, "Running"),
+    )
+    for name in names:
+        pod = core.read_namespaced_pod(name, namespace)
+        # Stable DNS identity: <hostname>.<subdomain>.<namespace>.svc
+        assert (pod.spec.hostname, pod.spec.subdomain) == (name, "rollout")
+    sts = wait_for(
+        "StatefulSet 3 ready",
+        lambda: (
+            s if (s := apps.read_namespaced_stateful_set("rollout", namespace)).status.ready_replicas == 3 else None
+        ),
+    )
+    assert sts.status.current_replicas == 3
+
+    old_uid = core.read_namespaced_pod("rollout-1", namespace).metadata.uid
+    core.delete_namespaced_pod("rollout-1", namespace)
+    wait_for(
+        "rollout-1 recreated with its name",
+        lambda: (
+            (
+                (p := core.read_namespaced_pod("rollout-1", namespace)).metadata.uid != old_uid
+                and p.status.phase == "Running"
+            )
+            if not gone(lambda: core.read_namespaced_pod("rollout-1", namespace))
+            else False
+        ),
+    )
+
+
+def test_kubectl_client_and_server_versions_match(cluster: Cluster) -> None:
+    res = cluster.run("kubectl", "version", "--output=json")
+    versions = json.loads(res.stdout)
+    client_v, server_v = versions["clientVersion"]["gitVersion"], versions["serverVersion"]["gitVersion"]
+    assert client_v == server_v
+    assert client_v.startswith("v1.") and "master" not in client_v and "dirty" not in client_v
+    assert "WARNING" not in res.stderr, res.stderr
+
+
+def test_helm_version_and_install(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    res = cluster.run("helm", "version", "--template={{.Version}}")
+    assert res.stdout.startswith("v3."), res.stdout
+    chart = tmp_path / "smoke"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text('apiVersion: v2\nname: smoke\nversion: 0.1.0\nkubeVersion: ">=1.30.0-0"\n')
+    (chart / "templates" / "deployment.yaml").write_text(
+        """apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ .Release.Name }}
+spec:
+  replicas: 1
+  selector:
+    matchLabels: {app: smoke}
+  template:
+    metadata:
+      labels: {app: smoke}
+    spec:
+      containers:
+      - name: main
+        image: treetrain/sim:none
+"""
+    )
+    cluster.run("helm", "install", "smoke", str(chart), "--namespace", namespace, "--wait", "--timeout=60s")
+    listed = json.loads(cluster.run("helm", "list", "--namespace", namespace, "--output=json").stdout)
+    assert [(r["name"], r["status"]) for r in listed] == [("smoke", "deployed")]
+    cluster.run("helm", "uninstall", "smoke", "--namespace", namespace, "--wait")
+
+
+def test_every_listener_is_on_loopback(cluster: Cluster) -> None:
+    state = json.loads((cluster.dir / "state.json").read_text())
+    pids = {str(p["pid"]) for p in state["processes"].values()}
+    listeners = []
+    for line in (
+        Path("/proc/net/tcp").read_text().splitlines()[1:] + Path("/proc/net/tcp6").read_text().splitlines()[1:]
+    ):
+        fields = line.split()
+        if fields[3] == "0A":  # LISTEN
+            listeners.append((fields[1], fields[9]))  # local address, inode
+    owned = []
+    for pid in pids:
+        fds = Path(f"/proc/{pid}/fd")
+        inodes = set()
+        for fd in fds.iterdir():
+            target = str(fd.readlink()) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+        owned += [addr for addr, inode in listeners if inode in inodes]
+    assert owned, "found no listening socket of the cluster processes"
+    loopback_v4 = "0100007F"  # 127.0.0.1 in /proc/net/tcp byte order
+    assert all(addr.split(":")[0] == loopback_v4 for addr in owned), owned
