@@ -131,6 +131,8 @@ class Kube:
         selector = f"{LABEL_RLJOB}={rljob},app.kubernetes.io/managed-by={MANAGED_BY}"
         data = self._call("GET", self._path(kind, namespace), query=[("labelSelector", selector)])
         items: list[dict[str, Any]] = data.get("items") or []
+        for item in items:
+            item.setdefault("kind", kind)  # list responses leave it out
         return items
 
     # -- writes ----------------------------------------------------------------

@@ -1,0 +1,371 @@
+"""The RLJob operator end to end on the real control plane (tests/cluster).
+
+The operator runs in this process (kopf with a stop flag) under a ServiceAccount token
+bound to exactly ``rljob_operator.rbac.RULES``, the rules the Helm chart ships: it is
+never admin. Pods are simulated by kwok; a test makes a trainer pod succeed or fail
+with the labels that tests/cluster/kwok-stages.yaml reacts to. Nothing dials a pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from rljob_operator.handlers import Controller
+from rljob_operator.models import GROUP, PLURAL, VERSION
+from rljob_operator.rbac import RULES
+from rljob_operator.runner import make_controller, serve
+
+if TYPE_CHECKING:
+    from conftest import Cluster
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+SUCCEED = {"sim.treetrain.dev/succeed": "true"}
+FAIL = {"sim.treetrain.dev/fail": "true"}
+
+
+# ---------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> None:
+    path = ROOT / "crds" / "rljob.yaml"
+    assert path.exists(), "crds/rljob.yaml is missing: run `rljob crd > crds/rljob.yaml`"
+    cluster.run("kubectl", "apply", "--server-side", "-f", str(path))
+    cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kubeconfig with the token of a ServiceAccount bound to the operator's RBAC rules."""
+    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
+    ns, name = "rljob-system", "rljob-operator"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
+    core.create_namespaced_service_account(ns, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name)))
+    rbac.create_cluster_role({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                              "metadata": {"name": name}, "rules": RULES})  # fmt: skip
+    rbac.create_cluster_role_binding(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
+        }
+    )
+    token = core.create_namespaced_service_account_token(
+        name, ns, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[]))
+    ).status.token
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    cluster_entry = admin["clusters"][0]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster_entry],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [{"name": name, "context": {"cluster": cluster_entry["name"], "user": name}}],
+        "current-context": name,
+    }
+    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class RunningOperator:
+    """kopf in a background thread of this process, stoppable and restartable."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.controller: Controller | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self.controller = make_controller(str(self.kubeconfig))
+        self._stop = threading.Event()
+        ready = threading.Event()
+        controller = self.controller
+
+        def main() -> None:
+            asyncio.run(serve(controller, namespaces=[], stop_flag=self._stop, ready_flag=ready))
+
+        self._thread = threading.Thread(target=main, name="rljob-operator", daemon=True)
+        self._thread.start()
+        assert ready.wait(60), "the operator did not become ready in 60 s"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+            assert not self._thread.is_alive(), "the operator did not stop in 60 s"
+
+
+@pytest.fixture(scope="module")
+def operator(crd: None, operator_kubeconfig: Path) -> Iterator[RunningOperator]:
+    op = RunningOperator(operator_kubeconfig)
+    op.start()
+    yield op
+    op.stop()
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def rljob(name: str, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(EXAMPLE)
+    body["metadata"] = {"name": name}
+    body["spec"].update(spec)
+    return body
+
+
+def custom(cluster: Cluster) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(cluster.api)
+
+
+def create(cluster: Cluster, namespace: str, body: dict[str, Any]) -> None:
+    custom(cluster).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+
+def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = custom(cluster).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    return obj
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+def phase_is(cluster: Cluster, namespace: str, name: str, phase: str) -> Callable[[], Any]:
+    def check() -> Any:
+        status = get(cluster, namespace, name).get("status") or {}
+        return status if status.get("phase") == phase else None
+
+    return check
+
+
+def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def pods(cluster: Cluster, namespace: str, selector: str) -> list[client.V1Pod]:
+    items: list[client.V1Pod] = (
+        client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector=selector).items
+    )
+    return items
+
+
+def label_pods(cluster: Cluster, namespace: str, selector: str, labels: dict[str, str]) -> None:
+    for pod in pods(cluster, namespace, selector):
+        client.CoreV1Api(cluster.api).patch_namespaced_pod(
+            pod.metadata.name, namespace, {"metadata": {"labels": labels}}
+        )
+
+
+def trainer_selector(name: str, restart: int = 0) -> str:
+    return f"treetrain.dev/rljob={name},treetrain.dev/component=actor,treetrain.dev/restart={restart}"
+
+
+def events(cluster: Cluster, namespace: str, name: str) -> list[str]:
+    items = (
+        client.CoreV1Api(cluster.api)
+        .list_namespaced_event(namespace, field_selector=f"involvedObject.kind=RLJob,involvedObject.name={name}")
+        .items
+    )
+    return [e.reason for e in items]
+
+
+# ---------------------------------------------------------------------------
+# Tests
+
+
+def test_example_runs_then_succeeds(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    apply = cluster.run("kubectl", "apply", "-n", namespace, "-f", str(ROOT / "examples" / "rljob.yaml"))
+    assert "created" in apply.stdout
+    status = wait_for("demo Running", phase_is(cluster, namespace, "demo", "Running"))
+    assert status["gpus"] == 16 and status["observedGeneration"] == 1
+    assert status["allocation"]["rollout"]["pods"] == 2 and status["allocation"]["rollout"]["gpusPerPod"] == 4
+    assert status["allocation"]["actor"]["worldSize"] == 8
+    for kind in ("Valid", "Scheduled", "Running"):
+        assert cond(status, kind)["status"] == "True", status["conditions"]
+
+    # Children: deterministic names, labels, owner references; pods on simulated GPU nodes.
+    owner = get(cluster, namespace, "demo")["metadata"]["uid"]
+    sts = client.AppsV1Api(cluster.api).read_namespaced_stateful_set("demo-rollout", namespace)
+    job = client.BatchV1Api(cluster.api).read_namespaced_job("demo-trainer", namespace)
+    for obj in (sts, job):
+        assert obj.metadata.labels["treetrain.dev/rljob"] == "demo"
+        assert obj.metadata.labels["app.kubernetes.io/managed-by"] == "rljob-operator"
+        assert [r.uid for r in obj.metadata.owner_references] == [owner]
+    assert job.spec.completion_mode == "Indexed" and job.spec.parallelism == 1
+    all_pods = pods(cluster, namespace, "treetrain.dev/rljob=demo")
+    assert len(all_pods) == 3
+    nodes = {n.metadata.name: n for n in client.CoreV1Api(cluster.api).list_node().items}
+    for pod in all_pods:
+        assert pod.status.phase == "Running" and pod.spec.node_name in nodes
+        assert int(nodes[pod.spec.node_name].status.allocatable["nvidia.com/gpu"]) >= 4
+    env = {e.name: e.value for e in job.spec.template.spec.containers[0].env if e.value is not None}
+    assert env["PET_MASTER_ADDR"] == f"demo-trainer-0.demo-trainer.{namespace}.svc"
+    assert env["TREETRAIN_ROLLOUT_ENDPOINTS"].split(",") == [
+        f"http://demo-rollout-{i}.demo-rollout.{namespace}.svc:30000" for i in range(2)
+    ]
+
+    label_pods(cluster, namespace, trainer_selector("demo"), SUCCEED)
+    status = wait_for("demo Succeeded", phase_is(cluster, namespace, "demo", "Succeeded"))
+    assert status["completionTime"] and cond(status, "Succeeded")["status"] == "True"
+    wait_for("rollout torn down", lambda: not pods(cluster, namespace, "treetrain.dev/component=rollout"))
+    assert {"PhaseRunning", "PhaseSucceeded"} <= set(events(cluster, namespace, "demo"))
+
+
+def test_trainer_failure_restarts_then_fails(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    create(cluster, namespace, rljob("flaky", maxRestarts=1, restartBackoffSeconds=1))
+    wait_for("flaky Running", phase_is(cluster, namespace, "flaky", "Running"))
+    label_pods(cluster, namespace, trainer_selector("flaky", 0), FAIL)
+
+    def restarted() -> Any:
+        status = get(cluster, namespace, "flaky").get("status") or {}
+        return status.get("restarts") == 1 and status.get("phase") == "Running"
+
+    wait_for("flaky restarted and Running again", restarted)
+    jobs = client.BatchV1Api(cluster.api).list_namespaced_job(namespace).items
+    assert [j.metadata.name for j in jobs] == ["flaky-trainer-r1"]
+    assert len(pods(cluster, namespace, trainer_selector("flaky", 1))) == 1
+
+    label_pods(cluster, namespace, trainer_selector("flaky", 1), FAIL)
+    status = wait_for("flaky Failed", phase_is(cluster, namespace, "flaky", "Failed"))
+    assert status["restarts"] == 1
+    assert "after 1 restarts (maxRestarts 1)" in status["message"]
+    assert "exited with 1" in status["message"]
+    assert cond(status, "Failed")["reason"] == "TrainerFailed"
+    assert "TrainerFailed" in events(cluster, namespace, "flaky")
+
+
+def test_oversized_job_reports_unschedulable(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    # Each pod asks for 16 GPUs; the simulated nodes have 8.
+    create(cluster, namespace, rljob("huge", gpusPerNode=16, rollout={"backend": "sglang:d1t16"},
+                                     actor={"backend": "fsdp:d16"}))  # fmt: skip
+
+    def unschedulable() -> Any:
+        status = get(cluster, namespace, "huge").get("status") or {}
+        c = next((c for c in status.get("conditions", []) if c["type"] == "Scheduled"), None)
+        return status if c and c["reason"] == "Unschedulable" and c["message"].startswith("2 of 2 pods") else None
+
+    status = wait_for("Unschedulable in status", unschedulable)
+    message = cond(status, "Scheduled")["message"]
+    assert "each asks for 16 nvidia.com/gpu" in message and "Insufficient nvidia.com/gpu" in message
+    assert status["phase"] == "Pending"
+
+
+def test_invalid_backend_rejected_by_schema(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    bad = rljob("typo", actor={"backend": "fsdp.d4"})
+    with pytest.raises(client.ApiException) as info:
+        create(cluster, namespace, bad)
+    assert info.value.status == 422
+    assert "actor.backend must be fsdp:..., megatron:... or archon:..." in info.value.body
+
+
+def test_invalid_layout_sets_valid_false(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    create(cluster, namespace, rljob("badlayout", actor={"backend": "fsdp:d4p2"}))
+    status = wait_for("Valid=False", phase_is(cluster, namespace, "badlayout", "Failed"))
+    valid = cond(status, "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert "spec.actor.backend" in valid["message"] and "fsdp does not support pipeline parallel" in valid["message"]
+    assert not pods(cluster, namespace, "treetrain.dev/rljob=badlayout")
+    assert not client.AppsV1Api(cluster.api).list_namespaced_stateful_set(namespace).items
+
+    # Fixing the spec starts it.
+    custom(cluster).patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "badlayout", {"spec": {"actor": {"backend": "fsdp:d8"}}}
+    )
+    status = wait_for("badlayout Running after the fix", phase_is(cluster, namespace, "badlayout", "Running"))
+    assert cond(status, "Valid")["status"] == "True" and status["observedGeneration"] == 2
+
+
+def test_suspend_and_resume(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    create(cluster, namespace, rljob("pausable"))
+    wait_for("Running", phase_is(cluster, namespace, "pausable", "Running"))
+    patch = custom(cluster).patch_namespaced_custom_object
+    patch(GROUP, VERSION, namespace, PLURAL, "pausable", {"spec": {"suspend": True}})
+    status = wait_for("Suspended", phase_is(cluster, namespace, "pausable", "Suspended"))
+    assert cond(status, "Suspended")["status"] == "True"
+    wait_for("pods removed", lambda: not pods(cluster, namespace, "treetrain.dev/rljob=pausable"))
+    assert get(cluster, namespace, "pausable")["metadata"]["name"] == "pausable"
+
+    patch(GROUP, VERSION, namespace, PLURAL, "pausable", {"spec": {"suspend": False}})
+    status = wait_for("Running again", phase_is(cluster, namespace, "pausable", "Running"))
+    assert cond(status, "Suspended")["status"] == "False"
+    assert len(pods(cluster, namespace, "treetrain.dev/rljob=pausable")) == 3
+
+
+def test_delete_garbage_collects_children(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    create(cluster, namespace, rljob("gone"))
+    wait_for("Running", phase_is(cluster, namespace, "gone", "Running"))
+    custom(cluster).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gone")
+    core, apps, batch = client.CoreV1Api(cluster.api), client.AppsV1Api(cluster.api), client.BatchV1Api(cluster.api)
+
+    def all_gone() -> bool:
+        left = [
+            *core.list_namespaced_pod(namespace).items,
+            *apps.list_namespaced_stateful_set(namespace).items,
+            *batch.list_namespaced_job(namespace).items,
+            *core.list_namespaced_service(namespace, label_selector="treetrain.dev/rljob").items,
+            *core.list_namespaced_config_map(namespace, label_selector="treetrain.dev/rljob").items,
+        ]
+        return not left
+
+    wait_for("children garbage-collected", all_gone)
+
+
+def test_operator_restart_converges_without_duplicates(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    operator.stop()
+    try:
+        create(cluster, namespace, rljob("survivor"))
+        operator.start()
+        # Kill it again right after it started creating children, then start once more.
+        wait_for("first child", lambda: client.AppsV1Api(cluster.api).list_namespaced_stateful_set(namespace).items)
+        operator.stop()
+    finally:
+        operator.start()
+    wait_for("Running", phase_is(cluster, namespace, "survivor", "Running"))
+    apps, batch = client.AppsV1Api(cluster.api), client.BatchV1Api(cluster.api)
+    assert [s.metadata.name for s in apps.list_namespaced_stateful_set(namespace).items] == ["survivor-rollout"]
+    assert [j.metadata.name for j in batch.list_namespaced_job(namespace).items] == ["survivor-trainer"]
+    assert len(pods(cluster, namespace, "treetrain.dev/rljob=survivor")) == 3
+
+
+def test_ttl_deletes_finished_rljob(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    create(cluster, namespace, rljob("shortlived", ttlSecondsAfterFinished=2))
+    wait_for("Running", phase_is(cluster, namespace, "shortlived", "Running"))
+    label_pods(cluster, namespace, trainer_selector("shortlived"), SUCCEED)
+    wait_for("Succeeded", phase_is(cluster, namespace, "shortlived", "Succeeded"))
+
+    def deleted() -> bool:
+        try:
+            get(cluster, namespace, "shortlived")
+        except client.ApiException as exc:
+            return exc.status == 404
+        return False
+
+    wait_for("RLJob deleted by its TTL", deleted, timeout=30)
