@@ -117,7 +117,9 @@ class Controller:
             return None
         old = rljob.get("status") or {}
         if decision.status != old:
-            self.kube.patch_status(namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"])
+            self.kube.patch_status(
+                namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"]
+            )
             for kind, reason, message in decision.events:
                 self._event(rljob, kind, reason, message)
             if decision.status.get("restarts", 0) > old.get("restarts", 0):

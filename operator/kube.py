@@ -153,7 +153,9 @@ class Kube:
         """Create ``obj``; an existing object of the same name is adopted as is. True if created."""
         meta = obj["metadata"]
         try:
-            self._call("POST", self._path(obj["kind"], meta["namespace"]), body=obj, query=[("fieldManager", FIELD_MANAGER)])
+            self._call(
+                "POST", self._path(obj["kind"], meta["namespace"]), body=obj, query=[("fieldManager", FIELD_MANAGER)]
+            )
         except Conflict:
             return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
         return True

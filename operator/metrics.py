@@ -15,7 +15,10 @@ class Metrics:
         r = self.registry
         self.jobs = Gauge("rljob_jobs", "RLJobs by phase.", ["phase"], registry=r)
         self.gpus = Gauge(
-            "rljob_gpus_requested", "GPUs requested, by RLJob and component.", ["namespace", "rljob", "component"], registry=r
+            "rljob_gpus_requested",
+            "GPUs requested, by RLJob and component.",
+            ["namespace", "rljob", "component"],
+            registry=r,
         )
         self.reconcile = Histogram(
             "rljob_reconcile_duration_seconds",

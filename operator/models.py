@@ -103,7 +103,9 @@ class Auxiliary(_Model):
 
 
 class Checkpoint(_Model):
-    volume: VolumeRef | None = Field(default=None, description="Claim that holds checkpoints (mounted at /checkpoints).")
+    volume: VolumeRef | None = Field(
+        default=None, description="Claim that holds checkpoints (mounted at /checkpoints)."
+    )
     interval_steps: int = Field(default=50, ge=1, description="Save every N training steps.")
 
 
@@ -134,7 +136,10 @@ class RLJobSpec(_Model):
                 "r.backend.startsWith('sglang:') || r.backend.startsWith('vllm:'))",
                 "additionalRollouts[].backend must be sglang:... or vllm:...",
             ),
-            (_TRAINING.replace("self.backend", "self.actor.backend"), "actor.backend must be fsdp:..., megatron:... or archon:..."),
+            (
+                _TRAINING.replace("self.backend", "self.actor.backend"),
+                "actor.backend must be fsdp:..., megatron:... or archon:...",
+            ),
             (
                 "!has(self.critic) || self.critic.backend == '' || "
                 + _TRAINING.replace("self.backend", "self.critic.backend"),

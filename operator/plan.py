@@ -267,7 +267,14 @@ def _components(engines: _Engines) -> tuple[dict[str, Component], list[FieldErro
     for role, aux_backend, colocated in engines.aux:
         if not aux_backend and engines.actor is None:
             continue
-        add(role, role, f"spec.{role}.backend", aux_backend or engines.actor or "", "training", "actor" if colocated else None)
+        add(
+            role,
+            role,
+            f"spec.{role}.backend",
+            aux_backend or engines.actor or "",
+            "training",
+            "actor" if colocated else None,
+        )
         actor, mine = components.get("actor"), components.get(role)
         if colocated and actor and mine and mine.allocation.world_size != actor.allocation.world_size:
             errors.append(
@@ -421,7 +428,9 @@ def _volumes(plan: Plan, *, checkpoints: bool) -> tuple[list[dict[str, Any]], li
         )
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": claim.read_only})
     if checkpoints and spec.checkpoint.volume is not None:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume.claim_name}})
+        volumes.append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume.claim_name}}
+        )
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
     return volumes, mounts
 
@@ -440,7 +449,10 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
     if multi is not None:
         env.append(
-            {"name": "POD_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+            {
+                "name": "POD_INDEX",
+                "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+            }
         )
         leader = f"{sts}-{{ordinal}}.{sts}.{plan.namespace}.svc"
         command = multi_node_command(argv, backend=comp.allocation.backend, pods_per_instance=ppi, leader_dns=leader)
@@ -458,7 +470,11 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
         "resources": {"limits": {gpu: str(comp.pods.gpus_per_pod)}, "requests": {gpu: str(comp.pods.gpus_per_pod)}},
         "volumeMounts": mounts,
         # Model loading can take many minutes; the startup probe covers it.
-        "startupProbe": {"httpGet": {"path": "/health", "port": engine.port}, "periodSeconds": 10, "failureThreshold": 180},
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": engine.port},
+            "periodSeconds": 10,
+            "failureThreshold": 180,
+        },
     }
     statefulset: dict[str, Any] = {
         "apiVersion": "apps/v1",
@@ -498,7 +514,9 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         {"name": "PET_NPROC_PER_NODE", "value": str(nproc)},
         {
             "name": "PET_NODE_RANK",
-            "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}},
+            "valueFrom": {
+                "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+            },
         },
         {"name": "PET_MASTER_ADDR", "value": master},
         {"name": "PET_MASTER_PORT", "value": str(spec.master_port)},
@@ -525,7 +543,10 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         # torchrun reads its rendezvous settings from the PET_* variables above.
         "command": ["torchrun", "-m", "treetrain.cli", "train", CONFIG_PATH],
         "env": env,
-        "ports": [{"name": "metrics", "containerPort": METRICS_PORT}, {"name": "rdzv", "containerPort": spec.master_port}],
+        "ports": [
+            {"name": "metrics", "containerPort": METRICS_PORT},
+            {"name": "rdzv", "containerPort": spec.master_port},
+        ],
         "resources": {"limits": {gpu: str(nproc)}, "requests": {gpu: str(nproc)}},
         "volumeMounts": mounts,
     }

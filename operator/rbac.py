@@ -1,5 +1,7 @@
 """The least-privilege RBAC rules the operator needs: exactly the calls in kube.py and the
-watches in handlers.py. The Helm chart ships these rules; a test checks they match."""
+watches in handlers.py (kopf needs nothing more when it runs standalone and watches all
+namespaces or a list of named ones). tests/cluster/test_operator.py runs the operator
+with a token bound to these rules only; the Helm chart ships the same rules."""
 
 from __future__ import annotations
 
@@ -20,8 +22,4 @@ RULES: list[dict[str, Any]] = [
     # Pods are only observed (phase, scheduling, failures).
     {"apiGroups": [""], "resources": ["pods"], "verbs": _WATCH},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
-    # kopf checks which namespaces exist when it watches a list of them.
-    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
-    # kopf discovers CRDs to resolve the RLJob resource.
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]

@@ -348,5 +348,7 @@ def _with_events(decision: Decision, old: dict[str, Any]) -> Decision:
             continue
         warning = cond["reason"] in WARNING_REASONS
         if cond["status"] == "True" or warning:
-            decision.events.append(("Warning" if warning else "Normal", cond["reason"], cond["message"] or cond["type"]))
+            decision.events.append(
+                ("Warning" if warning else "Normal", cond["reason"], cond["message"] or cond["type"])
+            )
     return decision

@@ -369,3 +369,50 @@ def test_ttl_deletes_finished_rljob(cluster: Cluster, namespace: str, operator: 
         return False
 
     wait_for("RLJob deleted by its TTL", deleted, timeout=30)
+
+
+@pytest.mark.slow
+def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    core = client.CoreV1Api(cluster.api)
+    # 50 RLJobs of 2 GPUs need 100 GPUs: add simulated nodes like the launcher's.
+    template = core.list_node(label_selector="nvidia.com/gpu.present=true").items[0].to_dict()
+    extra = [f"scale-gpu-{i}" for i in range(9)]
+    for i, name in enumerate(extra):
+        core.create_node(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": name,
+                    "labels": {**template["metadata"]["labels"], "kubernetes.io/hostname": name},
+                    "annotations": template["metadata"]["annotations"],
+                },
+                "spec": {"podCIDR": f"127.3.{i}.0/24"},
+                "status": {
+                    "capacity": template["status"]["capacity"],
+                    "allocatable": template["status"]["allocatable"],
+                },
+            }
+        )
+    try:
+        names = [f"scale-{i:02d}" for i in range(50)]
+        started = time.monotonic()
+        for name in names:
+            create(cluster, namespace, rljob(name, rollout={"backend": "sglang:d1"}, actor={"backend": "fsdp:d1"}))
+
+        def all_running() -> Any:
+            items = custom(cluster).list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+            running = [o for o in items if (o.get("status") or {}).get("phase") == "Running"]
+            return len(running) == len(names)
+
+        wait_for("50 RLJobs Running", all_running, timeout=240)
+        elapsed = time.monotonic() - started
+        print(f"\n50 RLJobs (100 pods, 100 GPUs) created and Running in {elapsed:.1f} s")
+        assert len(pods(cluster, namespace, "treetrain.dev/component=rollout")) == 50
+        assert len(pods(cluster, namespace, "treetrain.dev/component=actor")) == 50
+    finally:
+        for name in names:
+            custom(cluster).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        wait_for("pods gone", lambda: not pods(cluster, namespace, "treetrain.dev/rljob"), timeout=120)
+        for name in extra:
+            core.delete_node(name)
