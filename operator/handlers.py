@@ -10,6 +10,7 @@ TTL) come back through the queue's delays; a periodic resync catches anything mi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -67,10 +68,8 @@ class WorkQueue:
             future = [due for key, due in self._due.items() if key not in self._running]
             timeout = max(min(future) - now, 0.01) if future else None
             self._wakeup.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout=timeout)
-            except TimeoutError:
-                pass
 
 
 class Controller:
