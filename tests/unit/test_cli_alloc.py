@@ -121,7 +121,7 @@ def test_alloc_flags_frozen() -> None:
     assert _flags(build_parser())["alloc"] == sorted(["--gpus-per-node", "--json", "--migrate", "-h", "--help"])
 
 
-def test_rljob_help_tells_the_truth() -> None:
+def test_rljob_help_lists_its_commands() -> None:
     out = subprocess.run([str(BIN / "rljob"), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
-    assert "Not built yet" in out.stdout
+    assert all(command in out.stdout for command in ("plan", "crd", "operator"))

@@ -28,6 +28,7 @@ def test_every_package_is_listed() -> None:
 def test_operator_side_imports_without_torch() -> None:
     code = (
         "import sys, treetrain, treetrain.alloc, treetrain.cli, rljob_operator, rljob_operator.cli\n"
+        "import rljob_operator.handlers, rljob_operator.runner, rljob_operator.plan, rljob_operator.crd\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'megatron', 'triton') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
         "import operator; assert operator.__file__ is None or 'site-packages' not in operator.__file__\n"

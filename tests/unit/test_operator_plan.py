@@ -1,0 +1,236 @@
+"""The pure planner: manifest -> components and child objects, every error with its path."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob_operator.plan import PlanError, plan, rollout_endpoints
+from rljob_operator.servers import multi_node_command, server_argv
+from treetrain.alloc import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(EXAMPLE)
+    body["metadata"] = {"name": "job", "namespace": "ml", "uid": "uid-1"}
+    body["spec"].update(spec)
+    return body
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def test_smallest_valid_rljob_from_design() -> None:
+    p = plan(EXAMPLE)
+    assert p.summary() == {
+        "components": {
+            "rollout": {"backend": "sglang:d2t4", "gpus": 8, "pods": 2, "gpus_per_pod": 4, "nodes": 1,
+                        "world_size": 8, "kind": "inference"},
+            "actor": {"backend": "fsdp:d8", "gpus": 8, "pods": 1, "gpus_per_pod": 8, "nodes": 1,
+                      "world_size": 8, "kind": "training"},
+        },
+        "total_gpus": 16,
+    }  # fmt: skip
+    assert sorted(by_kind(p.objects)) == [
+        ("ConfigMap", "demo-config"),
+        ("Job", "demo-trainer"),
+        ("Service", "demo-rollout"),
+        ("Service", "demo-trainer"),
+        ("StatefulSet", "demo-rollout"),
+    ]
+
+
+def test_children_labels_and_owner() -> None:
+    p = plan(manifest())
+    for obj in p.objects:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ml"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "rljob-operator"
+        assert meta["labels"]["treetrain.dev/rljob"] == "job"
+        assert meta["labels"]["treetrain.dev/component"] in ("rollout", "actor")
+        (owner,) = meta["ownerReferences"]
+        assert owner == {"apiVersion": "treetrain.dev/v1alpha1", "kind": "RLJob", "name": "job", "uid": "uid-1",
+                         "controller": True, "blockOwnerDeletion": True}  # fmt: skip
+
+
+def test_trainer_job_rendezvous() -> None:
+    p = plan(manifest(actor={"backend": "megatron:d2p2t4"}), restart=2)
+    objects = by_kind(p.objects)
+    job = objects[("Job", "job-trainer-r2")]
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == (
+        "Indexed",
+        2,
+        2,
+        0,
+    )
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "job-trainer" and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+    assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "8"
+    assert env["PET_MASTER_ADDR"] == "job-trainer-r2-0.job-trainer.ml.svc"
+    assert env["PET_NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    assert env["TREETRAIN_CONFIG"] == "/etc/treetrain/config.yaml"
+    assert env["TREETRAIN_CHECKPOINT_DIR"] == "/checkpoints"
+    assert env["TREETRAIN_RESTART"] == "2"
+    assert env["TREETRAIN_ROLLOUT_ENDPOINTS"] == (
+        "http://job-rollout-0.job-rollout.ml.svc:30000,http://job-rollout-1.job-rollout.ml.svc:30000"
+    )
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert container["command"][:3] == ["torchrun", "-m", "treetrain.cli"]
+    service = objects[("Service", "job-trainer")]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_config_map_passes_trainer_config_through() -> None:
+    p = plan(manifest(trainerConfig={"steps": 10, "lr": 1e-6}, checkpoint={"intervalSteps": 7}))
+    config = yaml.safe_load(by_kind(p.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    assert config["trainer"] == {"steps": 10, "lr": 1e-6}
+    assert config["checkpoint"] == {"dir": "/checkpoints", "intervalSteps": 7}
+    assert config["actor"]["backend"] == "fsdp:d8"
+    assert config["actor"]["treeTraining"] == {"enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto"}
+    assert config["rollout"]["endpoints"] == rollout_endpoints(p)
+
+
+def test_rollout_statefulset() -> None:
+    p = plan(manifest(rollout={"backend": "sglang:d2t4", "serverArgs": ["--mem-fraction-static", "0.8"]}))
+    sts = by_kind(p.objects)[("StatefulSet", "job-rollout")]
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert sts["spec"]["serviceName"] == "job-rollout"
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False  # a Service named like the server would break its env vars
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-8B", "--host", "0.0.0.0",
+        "--port", "30000", "--tp-size", "4", "--pp-size", "1", "--dp-size", "1", "--enable-metrics",
+        "--mem-fraction-static", "0.8",
+    ]  # fmt: skip
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"]["value"] == "false"
+
+
+def test_vllm_command() -> None:
+    argv = server_argv(parse("vllm:d2p2t2"), model="/models/m", port=8000, extra_args=["--max-model-len", "4096"])
+    assert argv == [
+        "vllm", "serve", "/models/m", "--host", "0.0.0.0", "--port", "8000",
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-model-len", "4096",
+    ]  # fmt: skip
+
+
+def test_multi_node_instances() -> None:
+    p = plan(manifest(rollout={"backend": "sglang:d2t16"}))
+    sts = by_kind(p.objects)[("StatefulSet", "job-rollout")]
+    assert sts["spec"]["replicas"] == 4  # 2 instances x 2 pods of 8 GPUs
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["/bin/sh", "-c"]
+    script = container["command"][2]
+    assert 'RANK=$((POD_INDEX % 2)); LEADER="job-rollout-$((POD_INDEX - RANK)).job-rollout.ml.svc"' in script
+    assert '--nnodes 2 --node-rank "$RANK" --dist-init-addr "$LEADER:20000"' in script
+    # The trainer talks only to instance leaders (ordinals 0 and 2).
+    assert rollout_endpoints(p) == [
+        "http://job-rollout-0.job-rollout.ml.svc:30000",
+        "http://job-rollout-2.job-rollout.ml.svc:30000",
+    ]
+
+
+def test_vllm_multi_node_workers_are_headless() -> None:
+    argv = server_argv(parse("vllm:t16"), model="m", port=8000, extra_args=[])
+    script = multi_node_command(argv, backend="vllm", pods_per_instance=2, leader_dns="x-{ordinal}.x.ns.svc")[2]
+    assert 'if [ "$RANK" -ne 0 ]; then set -- --headless; else set --; fi;' in script
+    assert script.endswith('"$@"')
+
+
+def test_gang_and_kueue_pod_group() -> None:
+    p = plan(manifest(scheduling={"queueName": "team-a", "priorityClassName": "high", "nodeSelector": {"pool": "h200"},
+                                  "tolerations": [{"key": "gpu", "operator": "Exists"}]}))  # fmt: skip
+    templates = [o["spec"]["template"] for o in p.objects if o["kind"] in ("Job", "StatefulSet")]
+    assert len(templates) == 2
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert labels["kueue.x-k8s.io/pod-group-name"] == "job"
+        assert labels["treetrain.dev/gang"] == "job"
+        assert template["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+        spec = template["spec"]
+        assert spec["priorityClassName"] == "high" and spec["nodeSelector"] == {"pool": "h200"}
+        assert spec["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+
+
+def test_critic_and_ref() -> None:
+    p = plan(manifest(critic={}, ref={"backend": "fsdp:d4", "colocated": False}))
+    summary = p.summary()["components"]
+    assert summary["critic"] == {"backend": "fsdp:d8", "gpus": 0, "pods": 0, "gpus_per_pod": 8, "nodes": 0,
+                                 "world_size": 8, "kind": "training", "colocated_with": "actor"}  # fmt: skip
+    assert summary["ref"]["gpus"] == 4 and summary["ref"]["pods"] == 1
+    assert p.total_gpus == 20
+    assert ("Job", "job-ref") in by_kind(p.objects) and ("Job", "job-critic") not in by_kind(p.objects)
+
+
+def test_additional_rollouts() -> None:
+    p = plan(manifest(additionalRollouts=[{"name": "small", "backend": "vllm:d2"}]))
+    assert ("StatefulSet", "job-rollout-small") in by_kind(p.objects)
+    assert len(rollout_endpoints(p)) == 4
+
+
+def test_model_volume() -> None:
+    p = plan(manifest(model={"path": "qwen3-8b", "volume": {"claimName": "weights", "readOnly": True}}))
+    sts = by_kind(p.objects)[("StatefulSet", "job-rollout")]
+    assert "/models/qwen3-8b" in sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+
+
+INVALID = [
+    ({"rollout": {"backend": "fsdp:d2"}}, "spec.rollout.backend", "is a training backend; rollout needs sglang"),
+    ({"actor": {"backend": "sglang:d2"}}, "spec.actor.backend", "is a inference backend"),
+    ({"actor": {"backend": "fsdp:d12"}}, "spec.actor.backend", "does not fill whole nodes of 8 GPUs"),
+    ({"actor": {"backend": "fsdp.d4"}}, "spec.actor.backend", "use ':' between backend and dims"),
+    ({"critic": {"backend": "fsdp:d4"}}, "spec.critic.backend", "world size must equal the actor's (4 != 8)"),
+    ({"gpusPerNode": 0}, "spec.gpusPerNode", "greater than or equal to 1"),
+    ({"bogus": 1}, "spec.bogus", "is not a field of RLJob"),
+    ({"actor": {}}, "spec.actor.backend", "is required"),
+    (
+        {"additionalRollouts": [{"name": "a", "backend": "sglang:d1"}, {"name": "a", "backend": "sglang:d1"}]},
+        "spec.additionalRollouts[1].name",
+        "used twice",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "path", "phrase"), INVALID)
+def test_invalid(spec: dict[str, Any], path: str, phrase: str) -> None:
+    with pytest.raises(PlanError) as info:
+        plan(manifest(**spec))
+    messages = {e.path: e.message for e in info.value.errors}
+    assert path in messages, info.value.errors
+    assert phrase in messages[path]
+
+
+def test_every_problem_is_listed() -> None:
+    body = manifest(rollout={"backend": "fsdp:d2"}, actor={"backend": "fsdp:d12"}, bogus=1)
+    body["metadata"]["name"] = "Bad_Name"
+    body["kind"] = "Job"
+    with pytest.raises(PlanError) as info:
+        plan(body)
+    assert [e.path for e in info.value.errors] == [
+        "kind", "metadata.name", "spec.bogus", "spec.rollout.backend", "spec.actor.backend",
+    ]  # fmt: skip
+
+
+def test_name_length_limit() -> None:
+    body = manifest()
+    body["metadata"]["name"] = "x" * 31
+    with pytest.raises(PlanError, match="at most 30 characters"):
+        plan(body)

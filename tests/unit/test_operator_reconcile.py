@@ -1,0 +1,182 @@
+"""The pure reconcile step: observed state in, actions and status out."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rljob_operator.handlers import merge_patch
+from rljob_operator.reconcile import Observed, backoff_seconds, decide, set_condition
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
+
+
+def rljob(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(EXAMPLE)
+    body["metadata"] = {"name": "demo", "namespace": "ml", "uid": "u", "generation": 3}
+    body["spec"].update(spec)
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def pod(name: str, component: str, *, phase: str = "Running", restart: int = 0, node: str | None = "n0",
+        unschedulable: str | None = None, exit_code: int | None = None) -> dict[str, Any]:  # fmt: skip
+    labels = {"treetrain.dev/rljob": "demo", "treetrain.dev/component": component}
+    if component == "actor":
+        labels["treetrain.dev/restart"] = str(restart)
+    status: dict[str, Any] = {"phase": phase}
+    if unschedulable:
+        status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                 "message": unschedulable}]  # fmt: skip
+    if exit_code is not None:
+        status["containerStatuses"] = [{"name": "trainer", "state": {"terminated": {"exitCode": exit_code,
+                                                                                    "reason": "Error"}}}]  # fmt: skip
+    gpus = "8" if component == "actor" else "4"
+    spec: dict[str, Any] = {"containers": [{"resources": {"limits": {"nvidia.com/gpu": gpus}}}]}
+    if node:
+        spec["nodeName"] = node
+    return {"kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec, "status": status}
+
+
+def job(name: str, condition: str | None = None) -> dict[str, Any]:
+    labels = {"treetrain.dev/rljob": "demo", "treetrain.dev/component": "actor"}
+    status = {"conditions": [{"type": condition, "status": "True", "reason": "X"}]} if condition else {}
+    return {"kind": "Job", "metadata": {"name": name, "labels": labels}, "status": status}
+
+
+def running_pods(restart: int = 0) -> list[dict[str, Any]]:
+    trainer = "demo-trainer-0" if restart == 0 else f"demo-trainer-r{restart}-0"
+    return [pod("demo-rollout-0", "rollout"), pod("demo-rollout-1", "rollout"),
+            pod(trainer, "actor", restart=restart)]  # fmt: skip
+
+
+def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_new_rljob_creates_everything_at_once() -> None:
+    d = decide(rljob(), Observed(), NOW)
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in d.apply) == [
+        ("ConfigMap", "demo-config"), ("Service", "demo-rollout"), ("Service", "demo-trainer"),
+        ("StatefulSet", "demo-rollout"),
+    ]  # fmt: skip
+    assert [o["metadata"]["name"] for o in d.create_only] == ["demo-trainer"]
+    assert d.status["phase"] == "Pending" and d.status["gpus"] == 16 and d.status["observedGeneration"] == 3
+    assert cond(d.status, "Valid")["status"] == "True"
+    assert d.status["allocation"]["rollout"]["gpusPerPod"] == 4
+    assert ("Normal", "Planned", "16 GPUs: rollout sglang:d2t4 (2 pods), actor fsdp:d8 (1 pod)") in d.events
+
+
+def test_running_when_every_pod_runs() -> None:
+    d = decide(rljob(), Observed(jobs=[job("demo-trainer")], pods=running_pods()), NOW)
+    assert d.status["phase"] == "Running" and d.status["startTime"] == "2026-11-29T12:00:00Z"
+    assert cond(d.status, "Running")["status"] == "True" and cond(d.status, "Scheduled")["status"] == "True"
+    # Running again changes nothing and posts nothing.
+    again = decide(rljob(status=d.status), Observed(jobs=[job("demo-trainer")], pods=running_pods()), NOW)
+    assert again.status == d.status and again.events == []
+
+
+def test_unschedulable_reports_gpus_asked() -> None:
+    pods = [pod("demo-rollout-0", "rollout"), pod("demo-rollout-1", "rollout"),
+            pod("demo-trainer-0", "actor", phase="Pending", node=None,
+                unschedulable="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")]  # fmt: skip
+    d = decide(rljob(), Observed(pods=pods), NOW)
+    c = cond(d.status, "Scheduled")
+    assert (c["status"], c["reason"]) == ("False", "Unschedulable")
+    assert c["message"].startswith("1 of 3 pods cannot be scheduled; each asks for 8 nvidia.com/gpu (16 GPUs in total)")
+    assert "Insufficient nvidia.com/gpu" in c["message"]
+    assert ("Warning", "Unschedulable", c["message"]) in d.events
+
+
+def test_trainer_failure_restarts_with_backoff() -> None:
+    running = decide(rljob(), Observed(jobs=[job("demo-trainer")], pods=running_pods()), NOW).status
+    failed = [*running_pods()[:2], pod("demo-trainer-0", "actor", phase="Failed", exit_code=137)]
+    d = decide(rljob(status=running), Observed(jobs=[job("demo-trainer")], pods=failed), NOW)
+    assert d.status["restarts"] == 1 and d.status["phase"] == "Pending"
+    assert "container trainer exited with 137" in d.status["message"]
+    assert ("Job", "demo-trainer") in d.delete and d.requeue_after == 10.0
+    assert cond(d.status, "Restarting")["status"] == "True"
+
+    # During the backoff the next Job is not created yet ...
+    soon = decide(rljob(status=d.status), Observed(pods=running_pods()[:2]), NOW + timedelta(seconds=4))
+    assert soon.create_only == [] and soon.requeue_after == 6.0
+    # ... afterwards it is, under a new name, resuming from the checkpoint.
+    later = decide(rljob(status=d.status), Observed(pods=running_pods()[:2]), NOW + timedelta(seconds=11))
+    (new_job,) = later.create_only
+    assert new_job["metadata"]["name"] == "demo-trainer-r1"
+    env = {e["name"]: e.get("value") for e in new_job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TREETRAIN_RESTART"] == "1"
+
+
+def test_failed_after_max_restarts() -> None:
+    status = {"phase": "Running", "restarts": 2, "conditions": []}
+    failed = [pod("demo-trainer-r2-0", "actor", phase="Failed", restart=2, exit_code=1)]
+    d = decide(rljob(status=status, maxRestarts=2), Observed(jobs=[job("demo-trainer-r2")], pods=failed), NOW)
+    assert d.status["phase"] == "Failed" and d.status["restarts"] == 2
+    assert "after 2 restarts (maxRestarts 2)" in d.status["message"]
+    assert cond(d.status, "Failed")["reason"] == "TrainerFailed"
+    assert d.events[0][:2] == ("Warning", "PhaseFailed")
+
+
+def test_old_trainer_jobs_are_deleted() -> None:
+    status = {"phase": "Pending", "restarts": 1, "conditions": []}
+    d = decide(rljob(status=status), Observed(jobs=[job("demo-trainer")]), NOW)
+    assert ("Job", "demo-trainer") in d.delete
+    assert [o["metadata"]["name"] for o in d.create_only] == ["demo-trainer-r1"]
+
+
+def test_success_tears_down_rollout_and_honours_ttl() -> None:
+    sts = {"kind": "StatefulSet", "metadata": {"name": "demo-rollout", "labels": {}}}
+    d = decide(rljob(ttlSecondsAfterFinished=60), Observed(jobs=[job("demo-trainer", "Complete")],
+                                                            statefulsets=[sts]), NOW)  # fmt: skip
+    assert d.status["phase"] == "Succeeded" and d.status["completionTime"] == "2026-11-29T12:00:00Z"
+    assert ("StatefulSet", "demo-rollout") in d.delete and d.requeue_after == 60.0 and not d.delete_self
+    later = decide(rljob(status=d.status, ttlSecondsAfterFinished=60), Observed(), NOW + timedelta(seconds=61))
+    assert later.delete_self and later.status["phase"] == "Succeeded"
+
+
+def test_invalid_spec_creates_nothing() -> None:
+    d = decide(rljob(actor={"backend": "fsdp:d4p2"}), Observed(), NOW)
+    assert d.apply == [] and d.create_only == []
+    assert d.status["phase"] == "Failed"
+    valid = cond(d.status, "Valid")
+    assert valid["status"] == "False" and "fsdp does not support pipeline parallel" in valid["message"]
+    # Fixing the spec starts over.
+    fixed = decide(rljob(status=d.status), Observed(), NOW)
+    assert fixed.status["phase"] == "Pending" and fixed.create_only
+
+
+def test_suspend_deletes_workloads_only() -> None:
+    sts = {"kind": "StatefulSet", "metadata": {"name": "demo-rollout", "labels": {}}}
+    d = decide(rljob(suspend=True), Observed(jobs=[job("demo-trainer")], statefulsets=[sts]), NOW)
+    assert sorted(d.delete) == [("Job", "demo-trainer"), ("StatefulSet", "demo-rollout")]
+    assert d.apply == [] and d.status["phase"] == "Suspended"
+    assert cond(d.status, "Suspended")["status"] == "True"
+
+
+def test_condition_transition_time_moves_only_on_change() -> None:
+    conditions: list[dict[str, Any]] = []
+    set_condition(conditions, "Running", True, "A", "m", now=NOW, generation=1)
+    set_condition(conditions, "Running", True, "B", "n", now=NOW + timedelta(seconds=5), generation=2)
+    assert conditions[0]["lastTransitionTime"] == "2026-11-29T12:00:00Z" and conditions[0]["reason"] == "B"
+    set_condition(conditions, "Running", False, "C", "", now=NOW + timedelta(seconds=9), generation=2)
+    assert conditions[0]["lastTransitionTime"] == "2026-11-29T12:00:09Z"
+
+
+def test_backoff_doubles_and_caps() -> None:
+    assert [backoff_seconds(n, 10) for n in (1, 2, 3, 4)] == [10, 20, 40, 80]
+    assert backoff_seconds(20, 10) == 300
+
+
+def test_merge_patch_removes_stale_keys() -> None:
+    old = {"phase": "Running", "message": "x", "allocation": {"critic": {"gpus": 1}, "actor": {"gpus": 8}}}
+    new = {"phase": "Failed", "allocation": {"actor": {"gpus": 8}}}
+    assert merge_patch(old, new) == {"phase": "Failed", "message": None,
+                                     "allocation": {"actor": {"gpus": 8}, "critic": None}}  # fmt: skip

@@ -1,0 +1,119 @@
+"""`rljob crd` and `rljob plan`: the DESIGN.md contracts, the committed CRD, operator metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rljob_operator.cli import main
+from rljob_operator.crd import crd, crd_yaml
+from rljob_operator.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def test_committed_crd_is_fresh() -> None:
+    committed = (ROOT / "crds" / "rljob.yaml").read_text()
+    assert committed == crd_yaml(), "crds/rljob.yaml is stale: run `rljob crd > crds/rljob.yaml`"
+
+
+def test_crd_shape() -> None:
+    doc = crd()
+    assert doc["metadata"]["name"] == "rljobs.treetrain.dev"
+    names = doc["spec"]["names"]
+    assert (names["kind"], names["plural"], names["shortNames"]) == ("RLJob", "rljobs", ["rlj"])
+    (version,) = doc["spec"]["versions"]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Phase", "GPUs", "Rollout", "Actor", "Restarts", "Age",
+    ]  # fmt: skip
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    props = spec["properties"]
+    assert set(spec["required"]) == {"model", "rollout", "actor"}
+    assert props["gpusPerNode"] == {"type": "integer", "default": 8, "minimum": 1, "maximum": 64,
+                                    "description": props["gpusPerNode"]["description"]}  # fmt: skip
+    assert props["gpuResourceName"]["default"] == "nvidia.com/gpu"
+    assert props["actor"]["properties"]["treeTraining"]["default"] == {}
+    assert props["actor"]["properties"]["treeTraining"]["properties"]["attention"]["enum"] == [
+        "auto", "flex", "triton", "sparse", "dense",
+    ]  # fmt: skip
+    assert props["trainerConfig"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert props["additionalRollouts"]["x-kubernetes-list-map-keys"] == ["name"]
+    rules = [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert any("self.rollout.backend.startsWith('sglang:')" in r for r in rules)
+
+    def walk(node: object) -> None:  # structural: no refs, no titles, no unions
+        if isinstance(node, dict):
+            assert not {"$ref", "title", "anyOf", "$defs"} & set(node)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(version["schema"])
+
+
+def test_plan_json_matches_design(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(ROOT / "examples" / "rljob.yaml"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["components", "total_gpus"] and out["total_gpus"] == 16
+    for row in out["components"].values():
+        assert {"backend", "gpus", "pods", "gpus_per_pod", "nodes"} <= set(row)
+
+
+def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(ROOT / "examples" / "rljob.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "RLJob default/demo: 16 GPUs"
+    assert lines[2].split() == ["rollout", "sglang:d2t4", "8", "2", "4", "1"]
+
+
+def test_plan_invalid_lists_every_problem(tmp_path: Path) -> None:
+    bad = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+    bad["spec"]["rollout"]["backend"] = "sglang:d4c2"
+    bad["spec"]["actor"]["backend"] = "d4t2"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    out = subprocess.run([str(BIN / "rljob"), "plan", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "(2 problems)" in out.stderr
+    assert "spec.rollout.backend: 'sglang:d4c2', column 10" in out.stderr
+    assert "spec.actor.backend: 'd4t2', column 1: backend missing" in out.stderr
+
+
+def test_plan_unreadable_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["plan", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_rljob_crd_prints_the_crd(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crd"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["kind"] == "CustomResourceDefinition"
+
+
+def test_operator_metrics_parse_strictly() -> None:
+    m = Metrics()
+    m.observe("ml", "demo", "Running", {"rollout": 8, "actor": 8})
+    m.observe("ml", "demo", "Running", {"actor": 8})  # a component went away: its series too
+    m.reconcile.observe(0.02)
+    m.errors.inc()
+    m.restarts.labels(namespace="ml").inc()
+    text = generate_latest(m.registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {"rljob_jobs", "rljob_gpus_requested", "rljob_reconcile_duration_seconds", "rljob_reconcile_errors",
+            "rljob_trainer_restarts", "rljob_build_info"} <= set(families)  # fmt: skip
+    gpus = {s.labels["component"]: s.value for s in families["rljob_gpus_requested"].samples}
+    assert gpus == {"actor": 8.0}
+    running = [s.value for s in families["rljob_jobs"].samples if s.labels["phase"] == "Running"]
+    assert running == [1.0]
+    m.observe("ml", "demo", None, {})
+    assert "rljob_gpus_requested{" not in generate_latest(m.registry).decode()
