@@ -338,7 +338,16 @@ class Cluster:
                     + log_tail(self.logs / f"{name}.log")
                 )
 
-    def wait(self, what: str, check: Callable[[], bool], deadline: float, log: str) -> None:
+    def wait(
+        self,
+        what: str,
+        check: Callable[[], bool],
+        deadline: float,
+        log: str,
+        detail: Callable[[], str] | None = None,
+    ) -> None:
+        """Poll `check` until it passes; fail fast when a started process exits, and on the
+        deadline with `detail()` (what is still missing) and the tail of `log`."""
         t0 = time.monotonic()
         while True:
             self.check_alive()
@@ -346,14 +355,15 @@ class Cluster:
                 say(f"{what}: ready after {time.monotonic() - t0:.1f}s")
                 return
             if time.monotonic() > deadline:
+                extra = f"{detail()}\n" if detail else ""
                 raise ClusterError(
-                    f"timed out after {self.cfg.timeout:.0f}s waiting for {what}; "
+                    f"timed out after {self.cfg.timeout:g}s waiting for {what}; {extra}"
                     f"last lines of {self.logs / log}.log:\n" + log_tail(self.logs / f"{log}.log")
                 )
             time.sleep(0.2)
 
 
-def node_manifest(cfg: Config, index: int, name: str, gpus: int) -> dict[str, Any]:
+def node_manifest(cfg: Config, index: int, name: str, gpus: int, version: str) -> dict[str, Any]:
     capacity = {
         "cpu": cfg.cpu_per_node,
         "memory": cfg.memory_per_node,
@@ -392,6 +402,8 @@ def node_manifest(cfg: Config, index: int, name: str, gpus: int) -> dict[str, An
                 {"type": "InternalIP", "address": f"127.1.0.{index + 1}"},
                 {"type": "Hostname", "address": name},
             ],
+            # As a kubelet of the control plane's version would report it.
+            "nodeInfo": {"kubeletVersion": version},
         },
     }
 
@@ -543,11 +555,21 @@ leaderElection:
         ],
     )
     api = Api(c.server, pki)
+
+    def readyz_failures() -> str:
+        try:
+            status, body = api.request("GET", "/readyz?verbose")
+        except OSError as e:
+            return f"/readyz: {e}"
+        failing = [line for line in str(body).splitlines() if line.startswith("[-]")]
+        return "failing readyz checks: " + (", ".join(failing) or f"HTTP {status}")
+
     c.wait(
         "kube-apiserver",
         lambda: https_ok(f"{c.server}/readyz", api.ctx),
         deadline,
         "kube-apiserver",
+        readyz_failures,
     )
 
     c.start(
@@ -589,16 +611,21 @@ leaderElection:
         ],
     )
 
+    status, body = api.request("GET", "/version")
+    version = body["gitVersion"] if status == 200 else "v0.0.0"
     names = [f"gpu-node-{i}" for i in range(cfg.nodes)] + [f"cpu-node-{i}" for i in range(cfg.cpu_nodes)]
     for i, name in enumerate(names):
         gpus = cfg.gpus_per_node if i < cfg.nodes else 0
-        status, body = api.request("POST", "/api/v1/nodes", node_manifest(cfg, i, name, gpus))
+        status, body = api.request("POST", "/api/v1/nodes", node_manifest(cfg, i, name, gpus, version))
         if status != 201:
             raise ClusterError(f"creating node {name} failed: HTTP {status}: {body}")
     say(f"created {cfg.nodes} GPU node(s) x {cfg.gpus_per_node} nvidia.com/gpu, {cfg.cpu_nodes} CPU node(s)")
 
     def nodes_ready() -> bool:
-        status, body = api.request("GET", "/api/v1/nodes")
+        try:
+            status, body = api.request("GET", "/api/v1/nodes")
+        except OSError:
+            return False
         if status != 200:
             return False
         ready = 0
@@ -608,7 +635,10 @@ leaderElection:
         return ready == len(names)
 
     def sa_ready() -> bool:
-        status, _ = api.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+        try:
+            status, _ = api.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+        except OSError:
+            return False
         return status == 200
 
     c.wait(

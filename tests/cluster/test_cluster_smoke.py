@@ -36,14 +36,18 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = TIMEOUT)
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last saw: {last!r}")
 
 
-def gone(read: Callable[[], object]) -> bool:
+def maybe(read: Callable[[], T]) -> T | None:
+    """`read()`, or None when the object does not exist."""
     try:
-        read()
+        return read()
     except ApiException as e:
         if e.status == 404:
-            return True
+            return None
         raise
-    return False
+
+
+def gone(read: Callable[[], object]) -> bool:
+    return maybe(read) is None
 
 
 def container(name: str = "main", gpus: int = 0) -> client.V1Container:
@@ -303,17 +307,14 @@ def test_statefulset_with_headless_service_has_stable_names(cluster: Cluster, na
 
     old_uid = core.read_namespaced_pod("rollout-1", namespace).metadata.uid
     core.delete_namespaced_pod("rollout-1", namespace)
-    wait_for(
-        "rollout-1 recreated with its name",
-        lambda: (
-            (
-                (p := core.read_namespaced_pod("rollout-1", namespace)).metadata.uid != old_uid
-                and p.status.phase == "Running"
-            )
-            if not gone(lambda: core.read_namespaced_pod("rollout-1", namespace))
-            else False
-        ),
-    )
+
+    def recreated() -> client.V1Pod | None:
+        pod = maybe(lambda: core.read_namespaced_pod("rollout-1", namespace))
+        if pod and pod.metadata.uid != old_uid and pod.status.phase == "Running":
+            return pod
+        return None
+
+    wait_for("rollout-1 recreated under its name", recreated)
 
 
 def test_kubectl_client_and_server_versions_match(cluster: Cluster) -> None:
