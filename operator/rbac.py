@@ -1,6 +1,5 @@
 """The least-privilege RBAC rules the operator needs: exactly the calls in kube.py and the
-watches in handlers.py (kopf needs nothing more when it runs standalone and watches all
-namespaces or a list of named ones). tests/cluster/test_operator.py runs the operator
+watches in handlers.py, plus what kopf itself observes. tests/cluster/test_operator.py runs the operator
 with a token bound to these rules only; the Helm chart ships the same rules."""
 
 from __future__ import annotations
@@ -22,4 +21,7 @@ RULES: list[dict[str, Any]] = [
     # Pods are only observed (phase, scheduling, failures).
     {"apiGroups": [""], "resources": ["pods"], "verbs": _WATCH},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # With --namespace, kopf observes namespaces and CRDs to follow them as they come and go.
+    {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
 ]

@@ -416,3 +416,53 @@ def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: Runni
         wait_for("pods gone", lambda: not pods(cluster, namespace, "treetrain.dev/rljob"), timeout=120)
         for name in extra:
             core.delete_node(name)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _http_get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # loopback only
+            return response.status, response.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, ""
+
+
+def test_rljob_operator_command_for_one_namespace(
+    cluster: Cluster, namespace: str, operator: RunningOperator, operator_kubeconfig: Path
+) -> None:
+    """`rljob operator` as a process, with KUBECONFIG (a laptop), one namespace, metrics and liveness."""
+    import os
+    import subprocess
+    import sys
+
+    metrics, liveness = _free_port(), _free_port()
+    operator.stop()  # one operator at a time
+    env = dict(os.environ, KUBECONFIG=str(operator_kubeconfig))
+    rljob_bin = str(Path(sys.executable).parent / "rljob")
+    args = [rljob_bin, "operator", "--namespace", namespace, "--bind", "127.0.0.1",
+            "--metrics-port", str(metrics), "--liveness-port", str(liveness)]  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for("liveness 200", lambda: _http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout=60)
+        create(cluster, namespace, rljob("cli"))
+        wait_for("cli Running", phase_is(cluster, namespace, "cli", "Running"))
+        status, text = _http_get(f"http://127.0.0.1:{metrics}/metrics")
+        assert status == 200
+        assert 'rljob_jobs{phase="Running"} 1.0' in text
+        assert f'rljob_gpus_requested{{component="actor",namespace="{namespace}",rljob="cli"}} 8.0' in text
+        assert "rljob_reconcile_duration_seconds_bucket" in text
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+        operator.start()
+    assert "Forbidden" not in output and "Traceback" not in output, output[-3000:]
