@@ -66,12 +66,14 @@ class _GatherLogprobs(torch.autograd.Function):
         c = ctx.chunk_size
         for r0 in range(0, n, c):
             x_CV = logits_NV[r0 : r0 + c].float()
-            p_CV = torch.exp(x_CV - lse_N[r0 : r0 + c, None])
-            g_CV = -rows_logp_N[r0 : r0 + c, None] * p_CV
+            p_CV = torch.sub(x_CV, lse_N[r0 : r0 + c, None]).exp_()
             if use_entropy:
                 # d entropy / d logit_v = -p_v (logit_v - E_p[logit])
-                g_CV -= rows_ent_N[r0 : r0 + c, None] * p_CV * (x_CV - mean_N[r0 : r0 + c, None])
-            grad_NV[r0 : r0 + c] = g_CV.to(grad_NV.dtype)
+                g_CV = (x_CV - mean_N[r0 : r0 + c, None]).mul_(rows_ent_N[r0 : r0 + c, None])
+                g_CV.add_(rows_logp_N[r0 : r0 + c, None]).mul_(p_CV).neg_()
+            else:
+                g_CV = p_CV.mul_(rows_logp_N[r0 : r0 + c, None].neg())
+            grad_NV[r0 : r0 + c] = g_CV
         grad_NV.index_put_((pred_M, label_M), grad_logp_M.to(grad_NV.dtype), accumulate=True)
         return grad_NV, None, None, None, None
 
@@ -159,7 +161,8 @@ def tree_logprobs(
                 use_cache=False,
                 tree_attention=meta,
             )
-        logp_M, _ = gather_logprobs(out.logits[0], tensors.pred_M, tensors.label_M)
+        logits_NV = out.logits.view(out.logits.shape[-2], out.logits.shape[-1])  # a view: no select-backward copy
+        logp_M, _ = gather_logprobs(logits_NV, tensors.pred_M, tensors.label_M)
         per_tree.append(list(torch.split(logp_M, tensors.split_sizes)))
     return batch.unpack(per_tree)
 

@@ -20,6 +20,15 @@ import torch
 from treetrain.tree import PackedTree
 
 
+@dataclass(frozen=True, slots=True)
+class QueryGroup:
+    """Query blocks that each see C key blocks, with the gathered key positions and mask."""
+
+    query_blocks_Q: torch.Tensor
+    key_tokens_QT: torch.Tensor  # T = C * B token positions, C live key blocks per query block
+    mask_Q1BT: torch.Tensor
+
+
 @dataclass(eq=False)
 class TreeAttentionMeta:
     """Tree mask metadata on the model's device. Pass it as ``tree_attention=`` to the model."""
@@ -29,6 +38,8 @@ class TreeAttentionMeta:
     block_size: int
     _dense_mask_NN: torch.Tensor | None = field(default=None, repr=False)
     _pairs: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _groups: list[QueryGroup] | None = field(default=None, repr=False)
+    _group_inverse: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_tree(cls, tree: PackedTree, *, backend: str, block_size: int, device: torch.device) -> TreeAttentionMeta:
@@ -69,3 +80,34 @@ class TreeAttentionMeta:
         """Live block pairs over all n * n pairs (a host sync; for reports only)."""
         nb = self.num_tokens // self.block_size
         return float(self.live_pairs()[0].shape[0]) / (nb * nb)
+
+    def query_groups(self) -> list[QueryGroup]:
+        """Query blocks grouped by how many key blocks they see (built once, host syncs here)."""
+        if self._groups is None:
+            b, nb = self.block_size, self.num_tokens // self.block_size
+            device = self.token_end_N.device
+            qb_P, kb_P = self.live_pairs()
+            order_P = torch.argsort(qb_P * nb + kb_P)
+            kb_sorted_P = kb_P[order_P]
+            counts_n = torch.bincount(qb_P, minlength=nb)
+            starts_n = torch.cumsum(counts_n, 0) - counts_n
+            offs_B = torch.arange(b, device=device)
+            groups: list[QueryGroup] = []
+            for c in torch.unique(counts_n).tolist():  # host sync: once per tree
+                qbs_Q = torch.nonzero(counts_n == c).flatten()
+                kbs_QC = kb_sorted_P[starts_n[qbs_Q, None] + torch.arange(c, device=device)]
+                keys_QT = (kbs_QC[:, :, None] * b + offs_B).flatten(1)
+                rows_QB = qbs_Q[:, None] * b + offs_B
+                mask_QBT = (keys_QT[:, None, :] <= rows_QB[:, :, None]) & (
+                    rows_QB[:, :, None] < self.token_end_N[keys_QT][:, None, :]
+                )
+                groups.append(QueryGroup(query_blocks_Q=qbs_Q, key_tokens_QT=keys_QT, mask_Q1BT=mask_QBT[:, None]))
+            self._groups = groups
+            self._group_inverse = torch.argsort(torch.cat([g.query_blocks_Q for g in groups]))
+        return self._groups
+
+    def group_inverse(self) -> torch.Tensor:
+        """Permutation from concatenated group order back to query block order."""
+        self.query_groups()
+        assert self._group_inverse is not None
+        return self._group_inverse
