@@ -8,6 +8,7 @@ the API server fills nested defaults.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -138,3 +139,36 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
         return out
 
     return convert(schema)
+
+
+def reference_table() -> str:
+    """The field table of docs/rljob-reference.md (a test keeps the doc in step)."""
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rows = ["| field | type | default | validation | meaning |", "|---|---|---|---|---|"]
+
+    def walk(node: dict[str, Any], path: str) -> None:
+        required = node.get("required", [])
+        for name, sub in node.get("properties", {}).items():
+            field = f"{path}.{name}"
+            kind = sub.get("type", "")
+            if kind == "array":
+                kind = f"list of {sub.get('items', {}).get('type', 'object')}"
+            checks = [f"{k} {sub[k]}" for k in ("minimum", "maximum", "minLength", "maxLength", "maxItems") if k in sub]
+            if "pattern" in sub:
+                checks.append(f"pattern `{sub['pattern']}`")
+            if "enum" in sub:
+                checks.append("one of " + ", ".join(f"`{e}`" for e in sub["enum"]))
+            if name in required:
+                default = "**required**"
+            elif "default" in sub:
+                default = f"`{json.dumps(sub['default'])}`"
+            else:
+                default = "empty" if kind.startswith("list") or kind == "object" else "unset"
+            rows.append(f"| `{field}` | {kind} | {default} | {'; '.join(checks)} | {sub.get('description', '')} |")
+            if "properties" in sub:
+                walk(sub, field)
+            if "properties" in sub.get("items", {}):
+                walk(sub["items"], field + "[]")
+
+    walk(spec, "spec")
+    return "\n".join(rows) + "\n"

@@ -54,9 +54,13 @@ class ModelSource(_Model):
 
 
 class Images(_Model):
+    """Container images; the trainer image also launches SGLang/vLLM for rollout pods."""
+
     trainer: str = Field(default=DEFAULT_TRAINER_IMAGE, description="Image of the trainer pods.")
     rollout: str = Field(default=DEFAULT_ROLLOUT_IMAGE, description="Image of the rollout (SGLang/vLLM) pods.")
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
 
 
 class RolloutEngine(_Model):
@@ -79,6 +83,8 @@ class NamedRolloutEngine(RolloutEngine):
 
 
 class TreeTraining(_Model):
+    """Tree (shared-prefix) packing of training batches."""
+
     enabled: bool = Field(default=True, description="Pack shared prefixes into tries.")
     max_tokens_per_microbatch: int = Field(
         default=32768, ge=1, description="Capacity of one packed tree, in tree tokens."
@@ -87,6 +93,8 @@ class TreeTraining(_Model):
 
 
 class Actor(_Model):
+    """The policy being trained: its parallel layout and tree training settings."""
+
     backend: str = Field(
         min_length=1, max_length=MAX_BACKEND, description="Backend string: fsdp:..., megatron:... or archon:...."
     )
@@ -103,6 +111,8 @@ class Auxiliary(_Model):
 
 
 class Checkpoint(_Model):
+    """Where checkpoints go; a restarted trainer gang resumes from the latest one."""
+
     volume: VolumeRef | None = Field(
         default=None, description="Claim that holds checkpoints (mounted at /checkpoints)."
     )
@@ -110,9 +120,11 @@ class Checkpoint(_Model):
 
 
 class Scheduling(_Model):
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Placement of every pod of the RLJob (they are one gang)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: list[dict[str, Any]] = Field(default_factory=list, description="Pod tolerations, as in a pod spec.")
-    priority_class_name: str | None = None
+    priority_class_name: str | None = Field(default=None, description="PriorityClass of every pod.")
     queue_name: str | None = Field(
         default=None, description="Kueue LocalQueue: all pods of the RLJob are admitted as one pod group."
     )
@@ -155,7 +167,9 @@ class RLJobSpec(_Model):
     model: ModelSource
     images: Images = Field(default_factory=Images)
     gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs of one node; pods fill whole nodes.")
-    gpu_resource_name: str = Field(default="nvidia.com/gpu", min_length=1)
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu", min_length=1, description="Extended resource that pods request GPUs as."
+    )
     rollout: RolloutEngine
     additional_rollouts: list[NamedRolloutEngine] = Field(
         default_factory=list,

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rljob_operator.cli import main
-from rljob_operator.crd import crd, crd_yaml
+from rljob_operator.crd import crd, crd_yaml, reference_table
 from rljob_operator.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,3 +117,12 @@ def test_operator_metrics_parse_strictly() -> None:
     assert running == [1.0]
     m.observe("ml", "demo", None, {})
     assert "rljob_gpus_requested{" not in generate_latest(m.registry).decode()
+
+
+def test_reference_doc_lists_every_field() -> None:
+    doc = (ROOT / "docs" / "rljob-reference.md").read_text()
+    begin = doc.index("-->\n", doc.index("<!-- BEGIN generated")) + 4
+    end = doc.index("<!-- END generated -->")
+    assert doc[begin:end] == reference_table(), (
+        "docs/rljob-reference.md is stale: paste rljob_operator.crd.reference_table() between the markers"
+    )
