@@ -110,10 +110,12 @@ class Controller:
             pods=self.kube.children("Pod", namespace, name),
         )
         decision = decide(rljob, observed, datetime.now(UTC))
-        self._carry_out(rljob, decision)
         if decision.delete_self:
             self.kube.delete("RLJob", namespace, name)
             return None
+        # Status first: it records decisions such as a restart, so a pass that dies after
+        # deleting the failed Job still has the restart counted. A Conflict here means the
+        # RLJob changed meanwhile: nothing was done yet, and the next pass reads again.
         old = rljob.get("status") or {}
         if decision.status != old:
             self.kube.patch_status(
@@ -123,6 +125,7 @@ class Controller:
                 self._event(rljob, kind, reason, message)
             if decision.status.get("restarts", 0) > old.get("restarts", 0):
                 self.metrics.restarts.labels(namespace=namespace).inc()
+        self._carry_out(rljob, decision)
         gpus = {c: a["gpus"] for c, a in decision.status.get("allocation", {}).items()}
         active = decision.status.get("phase") in ("Pending", "Running")
         self.metrics.observe(namespace, name, decision.status.get("phase"), gpus if active else {})
