@@ -1,0 +1,363 @@
+"""Grafana dashboards of treetrain, as code (grafana-foundation-sdk).
+
+    .venv/bin/python dashboards/generate.py           # write charts/rljob-operator/dashboards/*.json
+    .venv/bin/python dashboards/generate.py --check   # exit 1 when the committed JSON is stale
+
+The Helm chart ships the JSON files as ConfigMaps for Grafana's dashboard sidecar;
+tests/unit/test_dashboards.py keeps them fresh and checks that every query names only metrics
+that the operator and the trainer really export. Labels the queries rely on: the trainer
+PodMonitor adds ``rljob``, ``component`` and ``pod`` (and Prometheus adds ``namespace``); the
+operator's ServiceMonitor keeps the metrics' own ``namespace``/``rljob``/``component``
+(``honorLabels``), so both sides join on ``namespace`` and ``rljob``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeseries
+from grafana_foundation_sdk.builders.common import ReduceDataOptions, StackingConfig
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import GraphDrawStyle, StackingMode
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh, VariableSort
+
+OUT = Path(__file__).resolve().parents[1] / "charts" / "rljob-operator" / "dashboards"
+DS = DataSourceRef(type_val="prometheus", uid="${datasource}")
+# Selects the RLJobs picked in the dashboard's variables.
+SEL = 'namespace=~"$namespace", rljob=~"$rljob"'
+BY = "namespace, rljob"
+
+
+def query(expr: str, legend: str) -> prometheus.Dataquery:
+    return prometheus.Dataquery().expr(expr).legend_format(legend).datasource(DS)
+
+
+def series(
+    title: str, description: str, unit: str, targets: list[prometheus.Dataquery], *, width: int = 12
+) -> timeseries.Panel:
+    panel = timeseries.Panel().title(title).description(description).unit(unit).datasource(DS)
+    refs = [t.ref_id(chr(ord("A") + i)) for i, t in enumerate(targets)]
+    return panel.targets(list(refs)).height(8).span(width).fill_opacity(10).line_width(2)
+
+
+def stat_panel(title: str, description: str, unit: str, target: prometheus.Dataquery, *, width: int = 6) -> stat.Panel:
+    panel = stat.Panel().title(title).description(description).unit(unit).datasource(DS)
+    panel = panel.with_target(target.ref_id("A")).reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
+    return panel.height(4).span(width)
+
+
+def variables(board: dashboard.Dashboard) -> dashboard.Dashboard:
+    board = board.with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    for name, expr in (
+        ("namespace", "label_values(rljob_gpus_requested, namespace)"),
+        ("rljob", 'label_values(rljob_gpus_requested{namespace=~"$namespace"}, rljob)'),
+    ):
+        board = board.with_variable(
+            dashboard.QueryVariable(name)
+            .label(name)
+            .datasource(DS)
+            .query(expr)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            .all_value(".*")
+        )
+    return board
+
+
+def training() -> dashboard.Dashboard:
+    tokens = "treetrain_tokens_total"
+    savings = (
+        f'1 - sum by ({BY}) (rate({tokens}{{kind="tree", {SEL}}}[$__rate_interval]))'
+        f' / sum by ({BY}) (rate({tokens}{{kind="original", {SEL}}}[$__rate_interval]))'
+    )
+    savings_range = (
+        f'1 - sum(increase({tokens}{{kind="tree", {SEL}}}[$__range]))'
+        f' / sum(increase({tokens}{{kind="original", {SEL}}}[$__range]))'
+    )
+    step_bucket = f"sum by ({BY}, le) (rate(treetrain_step_duration_seconds_bucket{{{SEL}}}[$__rate_interval]))"
+    board = variables(
+        dashboard.Dashboard("treetrain / Training")
+        .uid("treetrain-training")
+        .description("Throughput, tree-packing savings, step time, loss, reward and GPUs of each RLJob.")
+        .tags(["treetrain"])
+        .time("now-3h", "now")
+        .refresh("30s")
+    )
+    return (
+        board.with_row(dashboard.Row("Overview"))
+        .with_panel(
+            stat_panel(
+                "Token savings (range)",
+                "1 - tree tokens / original tokens over the whole time range: the share of tokens tree packing "
+                "did not have to compute.",
+                "percentunit",
+                query(savings_range, "savings"),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Train tokens/s",
+                "Sum over the selected RLJobs' trainer ranks of treetrain_train_tokens_per_second.",
+                "short",
+                query(f"sum(treetrain_train_tokens_per_second{{{SEL}}})", "tokens/s"),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "Steps",
+                "Optimizer steps done (the highest count among the ranks of each RLJob, summed).",
+                "short",
+                query(f"sum(max by ({BY}) (treetrain_steps_total{{{SEL}}}))", "steps"),
+            )
+        )
+        .with_panel(
+            stat_panel(
+                "GPUs requested",
+                "GPUs the selected RLJobs ask for, all components (from the operator).",
+                "short",
+                query(f"sum(rljob_gpus_requested{{{SEL}}})", "GPUs"),
+            )
+        )
+        .with_row(dashboard.Row("Throughput and tree packing"))
+        .with_panel(
+            series(
+                "Train tokens/s per RLJob",
+                "Tokens trained per second, summed over each RLJob's trainer ranks.",
+                "short",
+                [query(f"sum by ({BY}) (treetrain_train_tokens_per_second{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            )
+        )
+        .with_panel(
+            series(
+                "Token savings",
+                "1 - rate(tree tokens) / rate(original tokens): the share of tokens that shared prefixes saved.",
+                "percentunit",
+                [query(savings, "{{namespace}}/{{rljob}}")],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "tree_token_ratio",
+                "Tree tokens / original tokens of the last packed batch (lower is better; 1 means no sharing).",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_tree_token_ratio{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Tokens/s by kind",
+                "original: tokens of the unpacked sequences; tree: tokens after prefix sharing; padded: padding "
+                "added to fill micro-batches.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}, kind) (rate({tokens}{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} {{kind}}",
+                    )
+                ],
+            )
+        )
+        .with_row(dashboard.Row("Steps"))
+        .with_panel(
+            series(
+                "Step time",
+                "Optimizer step duration: p50 and p90 from the histogram, and the mean.",
+                "s",
+                [
+                    query(f"histogram_quantile(0.5, {step_bucket})", "{{rljob}} p50"),
+                    query(f"histogram_quantile(0.9, {step_bucket})", "{{rljob}} p90"),
+                    query(
+                        f"sum by ({BY}) (rate(treetrain_step_duration_seconds_sum{{{SEL}}}[$__rate_interval]))"
+                        f" / sum by ({BY}) (rate(treetrain_step_duration_seconds_count{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} mean",
+                    ),
+                ],
+            )
+        )
+        .with_panel(
+            series(
+                "Steps per minute",
+                "Rate of treetrain_steps_total (one rank per RLJob counts).",
+                "short",
+                [query(f"max by ({BY}) (rate(treetrain_steps_total{{{SEL}}}[$__rate_interval])) * 60", "{{rljob}}")],
+            )
+        )
+        .with_panel(
+            series(
+                "Loss",
+                "Training loss of the last step (mean over ranks).",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_loss{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            )
+        )
+        .with_panel(
+            series(
+                "Reward",
+                "Mean reward of the last step's rollouts (mean over ranks).",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_reward{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            )
+        )
+        .with_row(dashboard.Row("GPUs"))
+        .with_panel(
+            series(
+                "GPUs per RLJob by component",
+                "GPUs requested by each component (rollout, actor, critic, ref) of each RLJob, from the operator.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}, component) (rljob_gpus_requested{{{SEL}}})",
+                        "{{rljob}} {{component}}",
+                    )
+                ],
+                width=24,
+            )
+            .stacking(StackingConfig().mode(StackingMode.NORMAL))
+            .fill_opacity(60)
+            .draw_style(GraphDrawStyle.BARS)
+            .min(0)
+        )
+    )
+
+
+def operator() -> dashboard.Dashboard:
+    bucket = "sum by (le) (rate(rljob_reconcile_duration_seconds_bucket[$__rate_interval]))"
+    board = (
+        dashboard.Dashboard("treetrain / RLJob operator")
+        .uid("treetrain-operator")
+        .description("RLJobs by phase, reconcile latency and errors, trainer restarts.")
+        .tags(["treetrain"])
+        .time("now-3h", "now")
+        .refresh("30s")
+        .with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+    )
+    phases = ("Pending", "Running", "Succeeded", "Failed", "Suspended")
+    for phase in phases:
+        board = board.with_panel(
+            stat_panel(
+                phase,
+                f"RLJobs in phase {phase} now.",
+                "short",
+                query(f'sum(rljob_jobs{{phase="{phase}"}})', phase),
+                width=24 // len(phases) if phase != phases[-1] else 24 - (24 // len(phases)) * (len(phases) - 1),
+            )
+        )
+    return (
+        board.with_panel(
+            series(
+                "RLJobs by phase",
+                "Number of RLJobs in each phase, stacked.",
+                "short",
+                [query("sum by (phase) (rljob_jobs)", "{{phase}}")],
+            )
+            .stacking(StackingConfig().mode(StackingMode.NORMAL))
+            .fill_opacity(40)
+            .min(0)
+        )
+        .with_panel(
+            series(
+                "Reconcile latency",
+                "Time to reconcile one RLJob: p50, p90 and p99.",
+                "s",
+                [
+                    query(f"histogram_quantile(0.5, {bucket})", "p50"),
+                    query(f"histogram_quantile(0.9, {bucket})", "p90"),
+                    query(f"histogram_quantile(0.99, {bucket})", "p99"),
+                ],
+            )
+        )
+        .with_panel(
+            series(
+                "Reconciles and errors",
+                "Reconciles per second, and reconciles that raised an error per second.",
+                "reqps",
+                [
+                    query("sum(rate(rljob_reconcile_duration_seconds_count[$__rate_interval]))", "reconciles"),
+                    query("sum(rate(rljob_reconcile_errors_total[$__rate_interval]))", "errors"),
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Trainer restarts",
+                "Trainer gang restarts, by namespace, per interval.",
+                "short",
+                [
+                    query(
+                        "sum by (namespace) (increase(rljob_trainer_restarts_total[$__rate_interval]))", "{{namespace}}"
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "GPUs requested by component",
+                "GPUs all RLJobs ask for, by component.",
+                "short",
+                [query("sum by (component) (rljob_gpus_requested)", "{{component}}")],
+            )
+            .stacking(StackingConfig().mode(StackingMode.NORMAL))
+            .fill_opacity(40)
+            .min(0)
+        )
+        .with_panel(
+            stat_panel(
+                "Operator version",
+                "rljob_build_info of the running operator.",
+                "none",
+                query("max by (version) (rljob_build_info)", "{{version}}"),
+                width=12,
+            )
+        )
+    )
+
+
+BOARDS = {"training": training, "operator": operator}
+
+
+def build() -> dict[str, dict[str, Any]]:
+    """Every dashboard as its JSON object, by file name (without .json)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, make in BOARDS.items():
+        board = json.loads(json.dumps(make().build(), cls=JSONEncoder))
+        # Stable panel ids (Grafana links and alerts refer to panels by id).
+        for number, panel in enumerate(board["panels"], start=1):
+            panel["id"] = number
+        out[name] = board
+    return out
+
+
+def render(board: dict[str, Any]) -> str:
+    return json.dumps(board, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a committed dashboard is stale")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"output directory (default {OUT})")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, board in build().items():
+        path = args.out / f"{name}.json"
+        text = render(board)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            args.out.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"stale: {', '.join(stale)}; run `python dashboards/generate.py`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
