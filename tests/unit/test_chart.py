@@ -1,0 +1,318 @@
+"""The Helm chart, rendered with `helm template` (no cluster): RBAC equals the operator's rules,
+the Deployment is hardened, toggles render the monitors, alerts and dashboards, and
+values.schema.json refuses bad values with a clear message.
+
+helm comes from the test control plane's binaries (`make cluster-bin`; `make test` builds them).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rljob_operator.metrics import Metrics
+from rljob_operator.plan import METRICS_PORT, plan
+from rljob_operator.rbac import RULES
+from treetrain import __version__
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "rljob-operator"
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+Render = Callable[..., list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    built = subprocess.run([str(ROOT / "tests" / "cluster" / "build"), "--print"], capture_output=True, text=True)
+    if built.returncode != 0:
+        pytest.fail("helm is not built: run `make cluster-bin` (or tests/cluster/build) first", pytrace=False)
+    return Path(built.stdout.strip()) / "helm"
+
+
+def run_template(helm: Path, values: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return subprocess.run(
+        [str(helm), "template", "rel", str(CHART), "--namespace", "ops", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def render(helm: Path, tmp_path: Path) -> Render:
+    def _render(**values: Any) -> list[dict[str, Any]]:
+        done = run_template(helm, values, tmp_path)
+        assert done.returncode == 0, done.stderr
+        return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+    return _render
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+# ---------------------------------------------------------------------------
+# Chart metadata and CRDs
+
+
+def test_chart_version_and_crd_match_the_repo() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    assert (CHART / "crds" / "rljob.yaml").read_text() == (ROOT / "crds" / "rljob.yaml").read_text(), (
+        "charts/rljob-operator/crds/rljob.yaml is stale: cp crds/rljob.yaml charts/rljob-operator/crds/"
+    )
+
+
+def test_helm_lint_strict(helm: Path) -> None:
+    done = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_defaults_render_only_the_operator(render: Render) -> None:
+    docs = render()
+    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    for doc in docs:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+        if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+            assert doc["metadata"]["namespace"] == "ops"
+
+
+# ---------------------------------------------------------------------------
+# RBAC
+
+
+def test_rbac_rules_are_exactly_the_operators(render: Render) -> None:
+    docs = render()
+    role = one(docs, "ClusterRole")
+    assert role["rules"] == RULES
+    binding = one(docs, "ClusterRoleBinding")
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "rel-rljob-operator",
+    }
+    sa = one(docs, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "ops"}]
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_rbac_watched_namespaces_grant_only_there(render: Render) -> None:
+    docs = render(watchNamespaces=["team-a", "team-b"])
+    namespaced = one(docs, "ClusterRole", "rel-rljob-operator")
+    cluster = one(docs, "ClusterRole", "rel-rljob-operator-cluster")
+    assert namespaced["rules"] + cluster["rules"] == RULES
+    # Only namespaces and CRDs are cluster-wide, and only to list and watch.
+    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {"namespaces", "customresourcedefinitions"}
+    assert all(rule["verbs"] == ["list", "watch"] for rule in cluster["rules"])
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert all(b["roleRef"]["name"] == "rel-rljob-operator" for b in bindings)
+    (crb,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert crb["roleRef"]["name"] == "rel-rljob-operator-cluster"
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "operator" and "--namespace=team-a" in args and "--namespace=team-b" in args
+
+
+def test_rbac_can_be_left_to_an_administrator(render: Render) -> None:
+    docs = render(rbac={"create": False}, serviceAccount={"create": False, "name": "given"})
+    assert not [d for d in docs if d["kind"].endswith(("Role", "RoleBinding")) or d["kind"] == "ServiceAccount"]
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "given"
+
+
+# ---------------------------------------------------------------------------
+# The Deployment
+
+
+def test_deployment_is_hardened_single_replica_with_probes(render: Render) -> None:
+    deployment = one(render(), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    (container,) = pod["containers"]
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["privileged"] is False and security["capabilities"] == {"drop": ["ALL"]}
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["image"] == f"ghcr.io/treetrain/rljob-operator:{__version__}"
+    assert container["args"] == ["operator", "--metrics-port=8080", "--liveness-port=8081"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 8080, "liveness": 8081}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "liveness"}
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+
+def test_deployment_custom_values(render: Render) -> None:
+    docs = render(
+        image={"repository": "registry.local/rljob", "tag": "dev", "pullPolicy": "Always"},
+        metrics={"port": 9090, "service": {"enabled": True}},
+        liveness={"port": 9091},
+        nodeSelector={"pool": "system"},
+        tolerations=[{"key": "dedicated", "operator": "Exists"}],
+        extraEnv=[{"name": "KOPF_DEBUG", "value": "1"}],
+        podLabels={"team": "ml"},
+    )
+    pod = one(docs, "Deployment")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "registry.local/rljob:dev" and container["imagePullPolicy"] == "Always"
+    assert container["args"] == ["operator", "--metrics-port=9090", "--liveness-port=9091"]
+    assert {"name": "KOPF_DEBUG", "value": "1"} in container["env"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "system"} and pod["metadata"]["labels"]["team"] == "ml"
+    service = one(docs, "Service")
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics"}]
+
+
+# ---------------------------------------------------------------------------
+# Monitoring toggles
+
+ALL_ON: dict[str, Any] = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+    "podMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True, "treeTokenRatioThreshold": 0.75, "trainerRestartsPerHour": 3},
+    "grafana": {"dashboards": {"enabled": True, "annotations": {"grafana_folder": "treetrain"}}},
+}
+
+
+def test_monitoring_toggles_render_everything(render: Render) -> None:
+    docs = render(**ALL_ON)
+    assert kinds(docs).count("ConfigMap") == 2
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        assert one(docs, kind)["apiVersion"] == "monitoring.coreos.com/v1"
+
+
+def test_service_monitor_scrapes_the_metrics_service(render: Render) -> None:
+    docs = render(**ALL_ON)
+    monitor, service = one(docs, "ServiceMonitor"), one(docs, "Service")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"] and endpoint["honorLabels"] is True
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value = labels.get(expr["key"])
+        if expr["operator"] == "NotIn" and value in expr["values"]:
+            return False
+        if expr["operator"] == "In" and value not in expr["values"]:
+            return False
+    return True
+
+
+def test_pod_monitor_selects_trainer_pods_not_rollout_pods(render: Render) -> None:
+    monitor = one(render(**ALL_ON), "PodMonitor")
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    planned = plan(EXAMPLE).objects
+    templates = {o["kind"]: o["spec"]["template"] for o in planned if o["kind"] in ("Job", "StatefulSet")}
+    trainer, rollout = templates["Job"], templates["StatefulSet"]
+    assert _matches(monitor["spec"]["selector"], trainer["metadata"]["labels"])
+    assert not _matches(monitor["spec"]["selector"], rollout["metadata"]["labels"])
+    # The endpoint's port name is the trainer container's metrics port.
+    trainer_ports = {p["name"]: p["containerPort"] for p in trainer["spec"]["containers"][0]["ports"]}
+    assert trainer_ports[endpoint["port"]] == METRICS_PORT
+    targets = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert targets["rljob"] == ["__meta_kubernetes_pod_label_treetrain_dev_rljob"]
+    assert targets["component"] == ["__meta_kubernetes_pod_label_treetrain_dev_component"]
+
+
+def test_pod_monitor_follows_watched_namespaces(render: Render) -> None:
+    docs = render(watchNamespaces=["team-a"], podMonitor={"enabled": True})
+    assert one(docs, "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
+    docs = render(watchNamespaces=["team-a"], podMonitor={"enabled": True, "namespaces": ["x"]})
+    assert one(docs, "PodMonitor")["spec"]["namespaceSelector"] == {"matchNames": ["x"]}
+
+
+def test_prometheus_rule_alerts_and_thresholds(render: Render) -> None:
+    rule = one(render(**ALL_ON), "PrometheusRule")
+    (group,) = rule["spec"]["groups"]
+    alerts = {r["alert"]: r for r in group["rules"]}
+    assert set(alerts) == {
+        "RLJobFailed",
+        "RLJobTrainerRestartsClimbing",
+        "RLJobTreeTokenRatioHigh",
+        "RLJobReconcileErrors",
+    }
+    assert alerts["RLJobTreeTokenRatioHigh"]["expr"].endswith("(treetrain_tree_token_ratio) > 0.75")
+    assert alerts["RLJobTrainerRestartsClimbing"]["expr"].endswith("> 3")
+    assert 'rljob_jobs{phase="Failed"}' in alerts["RLJobFailed"]["expr"]
+    # Prometheus templates in annotations survive Helm's templating.
+    assert "{{ $labels.rljob }}" in alerts["RLJobTreeTokenRatioHigh"]["annotations"]["summary"]
+    operator_names = {m.name for m in Metrics().registry.collect()}
+    assert {"rljob_jobs", "rljob_trainer_restarts", "rljob_reconcile_errors"} <= operator_names
+
+
+def test_dashboards_are_configmaps_for_the_sidecar(render: Render) -> None:
+    maps = [d for d in render(**ALL_ON) if d["kind"] == "ConfigMap"]
+    assert sorted(m["metadata"]["name"] for m in maps) == [
+        "rel-rljob-operator-dashboard-operator",
+        "rel-rljob-operator-dashboard-training",
+    ]
+    for cm in maps:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "treetrain"}
+        ((key, text),) = cm["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / key).read_text())
+    docs = render(grafana={"dashboards": {"enabled": True, "namespace": "monitoring", "labels": {"custom": "x"}}})
+    for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        assert cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["custom"] == "x"
+
+
+def test_service_monitor_needs_the_service(helm: Path, tmp_path: Path) -> None:
+    done = run_template(
+        helm, {"serviceMonitor": {"enabled": True}, "metrics": {"service": {"enabled": False}}}, tmp_path
+    )
+    assert done.returncode != 0 and "serviceMonitor.enabled needs metrics.service.enabled" in done.stderr
+
+
+# ---------------------------------------------------------------------------
+# values.schema.json
+
+BAD_VALUES = [
+    ({"replicas": 2}, "at '/replicas': value must be 1"),
+    ({"watchNamespaces": ["Team_A"]}, "at '/watchNamespaces/0': 'Team_A' does not match pattern"),
+    (
+        {"image": {"pullPolicy": "Sometimes"}},
+        "at '/image/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'",
+    ),
+    ({"metrics": {"port": 70000}}, "at '/metrics/port': maximum: got 70,000, want 65,535"),
+    ({"prometheusRule": {"treeTokenRatioThreshold": 1.5}}, "at '/prometheusRule/treeTokenRatioThreshold'"),
+    ({"serviceMonitor": {"interval": "30 seconds"}}, "at '/serviceMonitor/interval': '30 seconds' does not match"),
+    ({"watchNamespace": ["a"]}, "additional properties 'watchNamespace' not allowed"),
+    ({"resources": {"limits": {"memory": "lots"}}}, "at '/resources/limits/memory'"),
+]
+
+
+@pytest.mark.parametrize(("values", "message"), BAD_VALUES, ids=[m.split("'")[1] for _, m in BAD_VALUES])
+def test_schema_rejects_bad_values(helm: Path, tmp_path: Path, values: dict[str, Any], message: str) -> None:
+    done = run_template(helm, values, tmp_path)
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema" in done.stderr
+    assert message in done.stderr, done.stderr
+
+
+def test_schema_accepts_documented_values(render: Render) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert render(**values)
+    assert render(**ALL_ON, watchNamespaces=["a", "b"], resources={"requests": {"cpu": "250m", "memory": "1Gi"}})
