@@ -95,6 +95,13 @@ def namespace(cluster: Cluster) -> Iterator[str]:
     core.delete_namespace(name)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the cluster is marked `cluster`, also without an explicit mark."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     logs = config.stash.get(KEPT_LOGS, None)
     if logs is not None:
