@@ -26,7 +26,7 @@ lint: install
 
 # The test control plane (tests/cluster): kube-apiserver, controller-manager, scheduler, etcd,
 # kwok, kubectl and helm, built with Go from the module proxy into a cache keyed by their
-# versions. Cold: about 30 min on 2 cores; with the cache warm: a second.
+# versions. Cold: 10-15 min on 2 cores; with the cache warm: a second.
 cluster-bin:
 	tests/cluster/build >/dev/null
 

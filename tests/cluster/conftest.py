@@ -53,7 +53,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if built.returncode != 0:
         pytest.fail(
             "the test control plane is not built: run `make cluster-bin` (or tests/cluster/build) "
-            "first; a cold build takes about 30 minutes on 2 cores",
+            "first; a cold build takes 10-15 minutes on 2 cores",
             pytrace=False,
         )
     state = tmp_path_factory.mktemp("cluster")

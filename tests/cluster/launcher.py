@@ -260,7 +260,7 @@ def find_bin_dir(build: bool) -> Path:
         raise ClusterError(
             "the control-plane binaries are not built (or not for this go.mod/go version).\n"
             "Build them first with `make cluster-bin` (or tests/cluster/build); a cold build "
-            "takes about 30 minutes on 2 cores, later ones seconds."
+            "takes 10-15 minutes on 2 cores, later ones seconds."
         )
     say("binaries missing: building them (tests/cluster/build)")
     res = subprocess.run([str(BUILD)], stdout=subprocess.PIPE, text=True)
