@@ -7,7 +7,7 @@ run it), one run packs the batch twice with the same packer and the same ``spars
 attention backend: as trees (``share_prefixes=True``) and flat (``share_prefixes=False``:
 every sequence alone, block-diagonal causal). A step is, per micro-batch: model forward,
 chunked log-prob gather, loss = -sum(logp) / tokens, backward. Packing is not timed (see
-bench/packing.py). Burn-in one step, then the median of ``--repeat`` measured steps.
+bench/packing.py). Burn-in one step, then the best of ``--repeat`` measured steps.
 
 Printed next to the measured speedup (flat time / tree time) are two ideals:
 ``1 / tree_token_ratio`` and the FLOPs ratio, flat over tree, where
@@ -18,7 +18,6 @@ query-key pairs (padding excluded, so padding and block waste count against the 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -80,7 +79,7 @@ def timed_step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int, rep
         t0 = time.perf_counter()  # CPU: every op has finished when step() returns
         step(model, batch, block_size)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return min(samples)  # best of: the least disturbed by other load on a shared machine
 
 
 def main() -> None:

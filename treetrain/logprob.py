@@ -25,7 +25,7 @@ DEFAULT_CHUNK_SIZE = 1024
 
 class _GatherLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits_NV: torch.Tensor,
         pred_M: torch.Tensor,
@@ -50,7 +50,7 @@ class _GatherLogprobs(torch.autograd.Function):
         return logp_M, entropy_M
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, grad_logp_M: torch.Tensor, grad_entropy_M: torch.Tensor
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
         logits_NV, pred_M, label_M, lse_N, mean_N = ctx.saved_tensors
@@ -142,18 +142,36 @@ def tree_logprobs(
     The model is switched to the ``"treetrain"`` attention implementation, which behaves
     like ``sdpa`` outside tree forwards. ``attention`` is a ``TREETRAIN_ATTENTION`` name.
     """
+    logps, _ = tree_logprobs_entropy(
+        model, sequences, max_tokens_per_mb=max_tokens_per_mb, attention=attention, with_entropy=False
+    )
+    return logps
+
+
+def tree_logprobs_entropy(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    *,
+    max_tokens_per_mb: int,
+    attention: str = "auto",
+    with_entropy: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`tree_logprobs` plus, per sequence, the entropy of each predictive distribution."""
     from treetrain.attention import TreeAttentionMeta, block_size, resolve, tree_forward, use_tree_attention
 
     if not sequences:
-        return []
+        return [], []
     device = _model_device(model)
     backend = resolve(attention, device)
-    batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size()))
+    blocks = block_size()
+    batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=blocks))
     use_tree_attention(model)
-    per_tree: list[list[torch.Tensor]] = []
+    per_tree_logp: list[list[torch.Tensor]] = []
+    per_tree_ent: list[list[torch.Tensor]] = []
     for tree in batch.trees:
         tensors = TreeTensors.from_tree(tree, device)
-        meta = TreeAttentionMeta.from_tree(tree, backend=backend, block_size=block_size(), device=device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=backend, block_size=blocks, device=device)
         with tree_forward():
             out = model(
                 input_ids=tensors.input_ids_N[None],
@@ -162,9 +180,26 @@ def tree_logprobs(
                 tree_attention=meta,
             )
         logits_NV = out.logits.view(out.logits.shape[-2], out.logits.shape[-1])  # a view: no select-backward copy
-        logp_M, _ = gather_logprobs(logits_NV, tensors.pred_M, tensors.label_M)
-        per_tree.append(list(torch.split(logp_M, tensors.split_sizes)))
-    return batch.unpack(per_tree)
+        logp_M, ent_M = gather_logprobs(
+            logits_NV, tensors.pred_M, tensors.label_M, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+        per_tree_logp.append(list(torch.split(logp_M, list(tensors.split_sizes))))
+        if ent_M is not None:
+            per_tree_ent.append(list(torch.split(ent_M, list(tensors.split_sizes))))
+    return batch.unpack(per_tree_logp), (batch.unpack(per_tree_ent) if with_entropy else [])
+
+
+def pack_sequence_tensors(tree: PackedTree, values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence tensors (input order, e.g. advantages or a loss mask, each ``len - 1``
+    long to line up with log-probs) concatenated in the layout order of ``tree``: the same
+    order as that tree's gathered log-probs."""
+    return torch.cat([values[i] for i in tree.seq_ids]) if tree.seq_ids else values[0].new_zeros(0)
+
+
+def unpack_sequence_tensors(tree: PackedTree, flat: torch.Tensor, lengths: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Inverse of :func:`pack_sequence_tensors`: input index -> that sequence's slice."""
+    parts = torch.split(flat, [lengths[i] for i in tree.seq_ids])
+    return dict(zip(tree.seq_ids, parts, strict=True))
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

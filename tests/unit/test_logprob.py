@@ -136,3 +136,51 @@ def test_import_treetrain_stays_torch_free() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert callable(treetrain.tree_logprobs)
+
+
+def test_entropy_parity() -> None:
+    from treetrain.logprob import tree_logprobs_entropy
+
+    model = tiny_model("qwen3")
+    seqs = _batch(4)
+    with torch.no_grad():
+        logps, ents = tree_logprobs_entropy(model, seqs, max_tokens_per_mb=128, attention="sparse")
+        for s, lp, ent in zip(seqs, logps, ents, strict=True):
+            logits = model(input_ids=torch.tensor([s]), use_cache=False).logits[0, :-1].float()
+            lsm = torch.log_softmax(logits, -1)
+            torch.testing.assert_close(ent, -(lsm.exp() * lsm).sum(-1), rtol=0, atol=1e-4)
+            torch.testing.assert_close(lp, lsm.gather(1, torch.tensor(s[1:])[:, None])[:, 0], rtol=0, atol=1e-4)
+
+
+def test_extra_per_token_tensors_pack_with_the_sequences() -> None:
+    # A policy-gradient loss with per-sequence advantages and a loss mask, computed in the packed
+    # layout of each tree, equals the same loss over unpacked sequences.
+    from treetrain.attention import TreeAttentionMeta, tree_forward, use_tree_attention
+    from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
+    from treetrain.tree import PackConfig, pack
+
+    model = tiny_model("llama")
+    seqs = _batch(5)
+    g = torch.Generator().manual_seed(0)
+    adv = [torch.randn(len(s) - 1, generator=g) for s in seqs]
+    mask = [(torch.rand(len(s) - 1, generator=g) > 0.3).float() for s in seqs]
+    with torch.no_grad():
+        expected = sum((_alone(model, s) * a * m).sum() for s, a, m in zip(seqs, adv, mask, strict=True))
+        batch = pack(seqs, PackConfig(max_tokens_per_mb=96, block_size=16))
+        assert batch.stats.num_trees > 1
+        use_tree_attention(model)
+        total = torch.zeros(())
+        for tree in batch.trees:
+            t = TreeTensors.from_tree(tree, torch.device("cpu"))
+            meta = TreeAttentionMeta.from_tree(tree, backend="sparse", block_size=16, device=torch.device("cpu"))
+            with tree_forward():
+                logits = model(
+                    input_ids=t.input_ids_N[None], position_ids=t.position_ids_N[None], tree_attention=meta
+                ).logits[0]
+            logp, _ = gather_logprobs(logits, t.pred_M, t.label_M)
+            adv_flat, mask_flat = pack_sequence_tensors(tree, adv), pack_sequence_tensors(tree, mask)
+            total = total + (logp * adv_flat * mask_flat).sum()
+            back = unpack_sequence_tensors(tree, adv_flat, [len(s) - 1 for s in seqs])
+            for i, value in back.items():
+                assert torch.equal(value, adv[i])
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
