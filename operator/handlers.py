@@ -182,7 +182,9 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
                 task.cancel()
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
+    def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+        if controller.kube.in_cluster:
+            return kopf.login_with_service_account(settings=settings)
         c = controller.kube.credentials()
         return kopf.ConnectionInfo(
             server=c.server,

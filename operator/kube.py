@@ -48,21 +48,23 @@ class Credentials:
     private_key_path: str | None
 
 
-def load_client(kubeconfig: str | None = None) -> ApiClient:
-    """In a pod: the ServiceAccount; else ``kubeconfig`` or $KUBECONFIG / ~/.kube/config."""
+def load_client(kubeconfig: str | None = None) -> tuple[ApiClient, bool]:
+    """In a pod: the ServiceAccount; else ``kubeconfig`` or $KUBECONFIG / ~/.kube/config.
+    Returns the client and whether it is the in-cluster one."""
     if kubeconfig is None:
         try:
             kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-            return ApiClient()
+            return ApiClient(), True
         except kubernetes.config.ConfigException:
             pass
     client: ApiClient = kubernetes.config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-    return client
+    return client, False
 
 
 class Kube:
-    def __init__(self, client: ApiClient) -> None:
+    def __init__(self, client: ApiClient, *, in_cluster: bool = False) -> None:
         self.client = client
+        self.in_cluster = in_cluster  # kopf then reads the (rotating) ServiceAccount token itself
 
     def credentials(self) -> Credentials:
         c = self.client.configuration

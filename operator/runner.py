@@ -15,7 +15,8 @@ from rljob_operator.metrics import Metrics
 
 
 def make_controller(kubeconfig: str | None = None) -> Controller:
-    return Controller(Kube(load_client(kubeconfig)), Metrics())
+    client, in_cluster = load_client(kubeconfig)
+    return Controller(Kube(client, in_cluster=in_cluster), Metrics())
 
 
 async def serve(
