@@ -184,3 +184,22 @@ def test_extra_per_token_tensors_pack_with_the_sequences() -> None:
             for i, value in back.items():
                 assert torch.equal(value, adv[i])
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_checkpointing_recomputes_tree_attention(backend: str) -> None:
+    # Recomputation in backward replays the layer call with the same tree_attention keyword,
+    # so checkpointed gradients equal plain ones.
+    seqs = _batch(6)
+
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = tiny_model("qwen2").train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        logps = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=128, attention=backend)
+        torch.stack([lp.sum() for lp in logps]).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    for name, ref in plain.items():
+        torch.testing.assert_close(checkpointed[name], ref, msg=name)
