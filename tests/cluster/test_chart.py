@@ -1,0 +1,397 @@
+"""The Helm chart on the real control plane (tests/cluster).
+
+- `helm template` output (default and custom values, CRDs included) passes a server-side dry run.
+- A bad value is refused at `helm install` by values.schema.json, and nothing is installed.
+- `helm install`, then `rljob operator` as a process with the arguments of the chart's Deployment
+  and the token of the chart's ServiceAccount: an RLJob reconciles to Running. The same token is
+  refused what the operator does not need. The operator's /metrics passes promlint, the linter
+  behind `promtool check metrics`. `helm uninstall` keeps the CRD and the RLJobs.
+
+The test cluster has no Prometheus Operator: its ServiceMonitor, PodMonitor and PrometheusRule
+kinds are served by stand-in CRDs (any spec accepted), so the dry run checks those objects'
+apiVersion, kind and metadata only; tests/unit/test_chart.py checks their contents.
+Nothing dials a pod: the operator runs here and its ports are on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from rljob_operator.models import GROUP, PLURAL, VERSION
+
+if TYPE_CHECKING:
+    from conftest import Cluster
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "rljob-operator"
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+RELEASE_NS = "rljob-chart"
+
+# A stand-in for the Prometheus Operator's CRDs: the kinds exist, any spec is accepted.
+MONITORING_KINDS = [("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"),
+                    ("PrometheusRule", "prometheusrules")]  # fmt: skip
+
+
+def stand_in_crd(kind: str, plural: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "properties": {"spec": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # loopback only
+            return response.status, response.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return 0, ""
+
+
+def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = cluster.run("helm", *args, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def ensure_namespace(cluster: Cluster, name: str) -> None:
+    core = client.CoreV1Api(cluster.api)
+    try:
+        core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    except client.ApiException as err:
+        if err.status != 409:
+            raise
+
+
+def rljob_phase(cluster: Cluster, namespace: str, name: str) -> str | None:
+    obj = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    phase: str | None = (obj.get("status") or {}).get("phase")
+    return phase
+
+
+def token_kubeconfig(cluster: Cluster, namespace: str, service_account: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount (a bound token, as a pod gets)."""
+    token = (
+        client.CoreV1Api(cluster.api)
+        .create_namespaced_service_account_token(
+            service_account,
+            namespace,
+            client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[])),
+        )
+        .status.token
+    )
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    entry = admin["clusters"][0]
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [entry],
+                "users": [{"name": service_account, "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": entry["name"], "user": service_account}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+def deployment_of(manifest: str) -> dict[str, Any]:
+    (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment"]
+    return deployment
+
+
+@contextmanager
+def operator_process(kubeconfig: Path, chart_args: list[str]) -> Iterator[tuple[int, int]]:
+    """`rljob` with the chart's container arguments; its ports moved to free loopback ports."""
+    metrics, liveness = free_port(), free_port()
+    args = [a for a in chart_args if not a.startswith(("--metrics-port=", "--liveness-port="))]
+    assert len(args) == len(chart_args) - 2, chart_args
+    argv = [str(Path(sys.executable).parent / "rljob"), *args, "--bind", "127.0.0.1",
+            f"--metrics-port={metrics}", f"--liveness-port={liveness}"]  # fmt: skip
+    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = ""
+    try:
+        wait_for("operator /healthz", lambda: http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200 or proc.poll())
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        yield metrics, liveness
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+    assert "Forbidden" not in output and "Traceback" not in output, output[-3000:]
+
+
+def can_i(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
+    done = subprocess.run(
+        [str(cluster.bin / "kubectl"), "--kubeconfig", str(kubeconfig), "auth", "can-i", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return done.stdout.strip() == "yes"
+
+
+# promlint: the linter that `promtool check metrics` runs, from client_golang, as a tiny Go
+# program built once into a cache (promtool itself pulls in all of Prometheus).
+PROMLINT_MAIN = """package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/prometheus/client_golang/prometheus/testutil/promlint"
+)
+
+// Reads the text exposition on stdin; exit 1 when it does not parse, 3 on lint problems (as promtool).
+func main() {
+	problems, err := promlint.New(os.Stdin).Lint()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error while linting:", err)
+		os.Exit(1)
+	}
+	for _, p := range problems {
+		fmt.Fprintf(os.Stderr, "%s %s\\n", p.Metric, p.Text)
+	}
+	if len(problems) > 0 {
+		os.Exit(3)
+	}
+}
+"""
+PROMLINT_GO_MOD = """module promlint
+
+go 1.23.0
+
+require github.com/prometheus/client_golang v1.23.2
+
+require (
+	github.com/kr/text v0.2.0 // indirect
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/prometheus/client_model v0.6.2 // indirect
+	github.com/prometheus/common v0.66.1 // indirect
+	go.yaml.in/yaml/v2 v2.4.2 // indirect
+	google.golang.org/protobuf v1.36.8 // indirect
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def promlint() -> Path:
+    key = hashlib.sha256((PROMLINT_MAIN + PROMLINT_GO_MOD).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "treetrain" / "promlint" / key
+    binary = cache / "promlint"
+    if binary.exists():
+        return binary
+    src = cache / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    (src / "main.go").write_text(PROMLINT_MAIN)
+    (src / "go.mod").write_text(PROMLINT_GO_MOD)
+    env = dict(os.environ, GOTOOLCHAIN="local", CGO_ENABLED="0", GOFLAGS="-mod=mod -trimpath")
+    for step in (["go", "mod", "tidy"], ["go", "build", "-o", str(cache / "promlint.tmp"), "."]):
+        done = subprocess.run(step, cwd=src, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{' '.join(step)} failed:\n{done.stderr}"
+    (cache / "promlint.tmp").rename(binary)
+    return binary
+
+
+def lint_metrics(promlint: Path, exposition: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(promlint)], input=exposition, capture_output=True, text=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def monitoring_crds(cluster: Cluster) -> Iterator[None]:
+    ext = client.ApiextensionsV1Api(cluster.api)
+    for kind, plural in MONITORING_KINDS:
+        ext.create_custom_resource_definition(stand_in_crd(kind, plural))
+    for _, plural in MONITORING_KINDS:
+        cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s",
+                    f"crd/{plural}.monitoring.coreos.com")  # fmt: skip
+    yield
+    for _, plural in MONITORING_KINDS:
+        ext.delete_custom_resource_definition(f"{plural}.monitoring.coreos.com")
+
+
+CUSTOM_VALUES: dict[str, Any] = {
+    "image": {"repository": "registry.local/rljob-operator", "tag": "dev", "pullPolicy": "Always"},
+    "watchNamespaces": ["chart-team-a", "chart-team-b"],
+    "metrics": {"port": 9090},
+    "resources": {"requests": {"cpu": "200m", "memory": "300Mi"}, "limits": {"memory": "1Gi"}},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+    "podMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True, "treeTokenRatioThreshold": 0.8},
+    "grafana": {"dashboards": {"enabled": True}},
+}
+
+
+# ---------------------------------------------------------------------------
+# Tests
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM_VALUES], ids=["default", "custom"])
+def test_template_passes_server_side_dry_run(
+    cluster: Cluster, monitoring_crds: None, tmp_path: Path, values: dict[str, Any]
+) -> None:
+    for ns in (RELEASE_NS, *values.get("watchNamespaces", [])):
+        ensure_namespace(cluster, ns)
+    values_file = tmp_path / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values))
+    rendered = helm(cluster, "template", "dry", str(CHART), "-n", RELEASE_NS, "--include-crds", "-f", str(values_file))
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(rendered.stdout)
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(rendered.stdout) if d)
+    assert "CustomResourceDefinition" in kinds and "Deployment" in kinds
+    if values:
+        assert {"ServiceMonitor", "PodMonitor", "PrometheusRule", "ConfigMap", "RoleBinding"} <= set(kinds)
+    done = cluster.run("kubectl", "apply", "--server-side", "--dry-run=server", "--field-manager=helm-dry-run",
+                       "-f", str(manifest), check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("(server dry run)") == len(kinds), done.stdout
+
+
+def test_bad_value_is_refused_at_install(cluster: Cluster) -> None:
+    done = helm(cluster, "install", "bad", str(CHART), "-n", RELEASE_NS, "--create-namespace",
+                "--set", "replicas=2", "--set", "watchNamespaces[0]=Team_A", check=False)  # fmt: skip
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema(s)" in done.stderr
+    assert "at '/replicas': value must be 1" in done.stderr
+    assert "at '/watchNamespaces/0': 'Team_A' does not match pattern" in done.stderr
+    assert "Traceback" not in done.stderr
+    listed = helm(cluster, "list", "-n", RELEASE_NS, "-a", "-q")
+    assert "bad" not in listed.stdout.split()
+
+
+@pytest.mark.slow  # builds promlint with Go the first time (about a minute)
+def test_install_operator_with_chart_rbac_then_uninstall_keeps_crds(
+    cluster: Cluster, namespace: str, tmp_path: Path, promlint: Path
+) -> None:
+    release = "treetrain"
+    helm(cluster, "install", release, str(CHART), "-n", RELEASE_NS, "--create-namespace")
+    try:
+        manifest = helm(cluster, "get", "manifest", release, "-n", RELEASE_NS).stdout
+        deployment = deployment_of(manifest)
+        pod = deployment["spec"]["template"]["spec"]
+        service_account = pod["serviceAccountName"]
+        kubeconfig = token_kubeconfig(cluster, RELEASE_NS, service_account, tmp_path / "kubeconfig")
+        custom = client.CustomObjectsApi(cluster.api)
+        # The CRD came from the chart's crds/ directory.
+        crd = client.ApiextensionsV1Api(cluster.api).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+        assert crd.spec.names.short_names == ["rlj"]
+
+        # Least privilege: what the operator needs, and not more.
+        assert can_i(cluster, kubeconfig, "patch", "rljobs.treetrain.dev", "--subresource=status", "-n", namespace)
+        assert can_i(cluster, kubeconfig, "create", "jobs.batch", "-n", namespace)
+        for verb, resource in [("get", "secrets"), ("create", "pods"), ("delete", "pods"), ("create", "rljobs.treetrain.dev"),
+                               ("create", "deployments.apps"), ("delete", "namespaces"), ("patch", "nodes")]:  # fmt: skip
+            assert not can_i(cluster, kubeconfig, verb, resource, "-n", namespace), (verb, resource)
+
+        (container,) = pod["containers"]
+        with operator_process(kubeconfig, container["args"]) as (metrics_port, _):
+            body = {**EXAMPLE, "metadata": {"name": "charted"}}
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+            wait_for("charted Running", lambda: rljob_phase(cluster, namespace, "charted") == "Running")
+            status, text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert status == 200 and 'rljob_jobs{phase="Running"}' in text
+        assert f'rljob_gpus_requested{{component="rollout",namespace="{namespace}",rljob="charted"}} 8.0' in text
+        lint = lint_metrics(promlint, text)
+        assert lint.returncode == 0, lint.stderr
+    finally:
+        helm(cluster, "uninstall", release, "-n", RELEASE_NS, "--wait", "--timeout", "60s")
+
+    # The CRD and the RLJob outlive the release; the release's own objects are gone.
+    client.ApiextensionsV1Api(cluster.api).read_custom_resource_definition(f"{PLURAL}.{GROUP}")
+    assert rljob_phase(cluster, namespace, "charted") == "Running"
+    names = [r.metadata.name for r in client.RbacAuthorizationV1Api(cluster.api).list_cluster_role().items]
+    assert f"{release}-rljob-operator" not in names
+
+
+def test_watched_namespaces_install_reconciles_only_there(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """watchNamespaces: the operator (with the chart's args and token) runs RLJobs in the watched
+    namespace, and its token can do nothing in others."""
+    release, other = "scoped", f"{namespace}-other"
+    ensure_namespace(cluster, other)
+    helm(cluster, "install", release, str(CHART), "-n", RELEASE_NS, "--create-namespace",
+         "--set", f"watchNamespaces[0]={namespace}")  # fmt: skip
+    try:
+        deployment = deployment_of(helm(cluster, "get", "manifest", release, "-n", RELEASE_NS).stdout)
+        pod = deployment["spec"]["template"]["spec"]
+        kubeconfig = token_kubeconfig(cluster, RELEASE_NS, pod["serviceAccountName"], tmp_path / "kubeconfig")
+        assert can_i(cluster, kubeconfig, "create", "statefulsets.apps", "-n", namespace)
+        assert not can_i(cluster, kubeconfig, "create", "statefulsets.apps", "-n", other)
+        assert not can_i(cluster, kubeconfig, "list", "rljobs.treetrain.dev", "-n", other)
+        (container,) = pod["containers"]
+        assert f"--namespace={namespace}" in container["args"]
+        custom = client.CustomObjectsApi(cluster.api)
+        with operator_process(kubeconfig, container["args"]):
+            for ns in (namespace, other):
+                custom.create_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, {**EXAMPLE, "metadata": {"name": "scoped"}}
+                )
+            wait_for("scoped Running", lambda: rljob_phase(cluster, namespace, "scoped") == "Running")
+            time.sleep(2)
+            assert rljob_phase(cluster, other, "scoped") is None  # never touched
+    finally:
+        helm(cluster, "uninstall", release, "-n", RELEASE_NS, "--wait", "--timeout", "60s")
+        client.CoreV1Api(cluster.api).delete_namespace(other)
