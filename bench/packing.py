@@ -70,6 +70,14 @@ def main() -> None:
         meta.live_pairs()
 
     t_tensors = timed(to_tensors, args.repeat)
+
+    def attention_plan() -> None:
+        meta = TreeAttentionMeta.from_tree(
+            tree, backend="sparse", block_size=config.block_size, device=torch.device("cpu")
+        )
+        meta.query_groups()
+
+    t_plan = timed(attention_plan, args.repeat)
     meta = TreeAttentionMeta.from_tree(tree, backend="sparse", block_size=config.block_size, device=torch.device("cpu"))
     print(
         f"\n[32k tree] {tree.num_tokens} tree tokens ({batch.stats.original_tokens} original), "
@@ -79,6 +87,12 @@ def main() -> None:
     print(f"  to tensors + live block pairs:                  {t_tensors * 1e3:8.2f} ms")
     total = t_pack + t_tensors
     print(f"  total: {total * 1e3:.2f} ms (target < 50 ms: {'PASS' if total < 0.05 else 'FAIL'})")
+    groups = meta.query_groups()
+    mask_mb = sum(g.mask_Q1BT.numel() for g in groups) / 2**20
+    print(
+        f"  sparse backend's per-tree plan (query groups + element masks, shared by all layers): "
+        f"{t_plan * 1e3:.2f} ms, {len(groups)} groups, {mask_mb:.0f} MiB of masks (a dense mask: {tree.padded_len**2 / 2**20:.0f} MiB)"
+    )
 
     seqs = agentic_tokens(1_000_000)
     n_tokens = sum(map(len, seqs))

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(row))
     else:
         print(
-            f"{row['sequences']} sequences -> {row['trees']} trees over {args.dp} rank(s)\n"
+            f"{_plural(row['sequences'], 'sequence')} -> {_plural(row['trees'], 'tree')} "
+            f"over {_plural(args.dp, 'rank')}\n"
             f"original tokens   {row['original_tokens']}\n"
             f"tree tokens       {row['tree_tokens']}\n"
             f"padded tokens     {row['padded_tokens']} ({row['padding_ratio']:.1%} of the packed length)\n"
@@ -55,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
             f"tree tokens/rank  {' '.join(str(t) for t in row['rank_tree_tokens'])}"
         )
     return 0
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def read_jsonl(path: str) -> list[list[int]]:
