@@ -317,6 +317,40 @@ def test_statefulset_with_headless_service_has_stable_names(cluster: Cluster, na
     wait_for("rollout-1 recreated under its name", recreated)
 
 
+def test_token_and_endpointslice_controllers_run(cluster: Cluster, namespace: str) -> None:
+    core, discovery = client.CoreV1Api(cluster.api), client.DiscoveryV1Api(cluster.api)
+    core.create_namespaced_service_account(
+        namespace, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="operator"))
+    )
+    secret = client.V1Secret(
+        metadata=client.V1ObjectMeta(
+            name="operator-token", annotations={"kubernetes.io/service-account.name": "operator"}
+        ),
+        type="kubernetes.io/service-account-token",
+    )
+    core.create_namespaced_secret(namespace, secret)
+    wait_for(
+        "a token in the service-account Secret",
+        lambda: (core.read_namespaced_secret("operator-token", namespace).data or {}).get("token"),
+    )
+
+    # A Service without Ready pods: the endpointslice controller writes its (empty) slice. Slices
+    # with pod addresses cannot be written here: pod IPs are loopback (see docs/cluster.md).
+    core.create_namespaced_service(
+        namespace,
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="idle"),
+            spec=client.V1ServiceSpec(selector={"app": "none"}, ports=[client.V1ServicePort(port=80)]),
+        ),
+    )
+    wait_for(
+        "EndpointSlice of Service idle",
+        lambda: (
+            discovery.list_namespaced_endpoint_slice(namespace, label_selector="kubernetes.io/service-name=idle").items
+        ),
+    )
+
+
 def test_kubectl_client_and_server_versions_match(cluster: Cluster) -> None:
     res = cluster.run("kubectl", "version", "--output=json")
     versions = json.loads(res.stdout)
