@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from treetrain import __version__
-from treetrain.cli import alloc, pack_stats
+from treetrain.cli import alloc, pack_stats, train
 
 # Each module adds its subcommand and sets ``func`` (args -> exit code).
-SUBCOMMANDS = (alloc, pack_stats)
+SUBCOMMANDS = (alloc, pack_stats, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,78 @@
+"""``treetrain train [CONFIG] [--resume]``: the trainer entrypoint (what trainer pods run).
+
+With no CONFIG (and no ``TREETRAIN_CONFIG``) it runs the embedded default: a tiny random
+Llama, the built-in multi-turn task, local rollout, GRPO with tree packing, on the CPU.
+torch is imported only when training starts, so ``treetrain alloc`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+EXAMPLES = """\
+examples:
+  treetrain train                                  # the embedded default (CPU, a few minutes)
+  treetrain train examples/trainer-grpo.yaml
+  treetrain train config.yaml --resume             # continue from checkpoint.dir's latest checkpoint
+  torchrun --nproc-per-node 2 -m treetrain.cli train config.yaml   # actor.backend: fsdp:d2
+
+The config reference is docs/trainer.md.
+"""
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train (no CONFIG: the embedded default, a tiny model on the CPU)",
+        description="Run the RL trainer. Exit 0 when training finishes, 2 for a bad config.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", metavar="CONFIG", help="trainer config YAML (default: $TREETRAIN_CONFIG)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (error if none)")
+    p.add_argument("--steps", type=int, metavar="N", help="override trainer.steps")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="override checkpoint.dir")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="override trainer.metrics.port (0: any free port)")
+    p.add_argument("--no-compare", action="store_true", help="skip the final tree vs flat timing")
+    p.set_defaults(func=run)
+
+
+def _fail(message: str) -> int:
+    print(f"treetrain train: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from treetrain.engines.base import EngineConfigError
+        from treetrain.trainer import config as config_mod
+        from treetrain.trainer.loop import run_training
+    except ImportError as err:
+        return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
+
+    path = args.config or os.environ.get("TREETRAIN_CONFIG") or None
+    try:
+        cfg = config_mod.load(path) if path else config_mod.from_dict(config_mod.embedded_default())
+        if args.steps is not None:
+            if args.steps < 1:
+                return _fail("--steps must be >= 1")
+            cfg.trainer.steps = args.steps
+        if args.checkpoint_dir:
+            cfg.checkpoint.dir = args.checkpoint_dir
+        if args.metrics_port is not None:
+            cfg.trainer.metrics.port = args.metrics_port
+        if args.no_compare:
+            cfg.trainer.compare_flat = False
+    except config_mod.ConfigError as err:
+        print(f"treetrain train: {err}", file=sys.stderr)
+        return 2
+    try:
+        run_training(cfg, resume=args.resume)
+    except (EngineConfigError, FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,180 @@
+"""The engine interface every training backend (FSDP now; Megatron, Archon later) implements.
+
+Letters: M gathered positions of one micro-batch (each sequence contributes ``len - 1``:
+position ``i`` predicts token ``i + 1``), S sequences.
+
+A :class:`TrainBatch` is plain per-sequence data in input order. The engine packs it (tree
+or flat), hands the loss one micro-batch at a time in *layout order* (the order of the
+gathered log-probs), and divides every micro-batch's loss sum by one global token count that
+it fixes before the micro-batch loop, so uneven micro-batches still give the batch mean.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from treetrain.attention.registry import NAMES as ATTENTION_NAMES
+
+
+class EngineConfigError(ValueError):
+    """A bad engine setting; the message says what to change."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TreeTrainingConfig:
+    """Tree packing of training batches (``actor.treeTraining`` in the trainer config).
+
+    ``pad_to_maximum`` is automatic: every tree is padded to a multiple of
+    ``lcm(block size, tensor parallel size)``. Setting it to true pads every tree to
+    ``max_tokens_per_mb`` instead (fixed shapes, more padding).
+    """
+
+    enabled: bool = True
+    max_tokens_per_mb: int = 32768
+    attention: str = "auto"
+    pad_to_maximum: bool = False
+
+    def __post_init__(self) -> None:
+        cap = self.max_tokens_per_mb
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            raise EngineConfigError(
+                f"maxTokensPerMicrobatch must be a positive integer, got {cap!r}; e.g. 32768 (a multiple of 128)"
+            )
+        if self.attention not in ATTENTION_NAMES:
+            raise EngineConfigError(f"attention must be one of {', '.join(ATTENTION_NAMES)}, got {self.attention!r}")
+        if not isinstance(self.enabled, bool):
+            raise EngineConfigError(f"treeTraining.enabled must be true or false, got {self.enabled!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with a constant learning rate (after ``warmup_steps`` of linear warm-up)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
+            raise EngineConfigError(f"lr must be a positive number, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise EngineConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm < 0:
+            raise EngineConfigError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise EngineConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """Sequences plus per-token tensors (each ``len(seq) - 1`` long, input order).
+
+    ``loss_mask[i][t] = 1`` when token ``t + 1`` of sequence ``i`` is trained (a response
+    token). ``tensors`` holds whatever the loss reads (``advantages``, ``old_logprobs``,
+    ``behav_logprobs``, ``ref_logprobs``, ``returns``, ``old_values``...).
+    """
+
+    sequences: list[list[int]]
+    loss_mask: list[torch.Tensor]
+    tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.sequences)
+        if len(self.loss_mask) != n:
+            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} sequences")
+        for name, values in self.tensors.items():
+            if len(values) != n:
+                raise ValueError(f"tensor {name!r} has {len(values)} entries for {n} sequences")
+        for i, seq in enumerate(self.sequences):
+            if len(seq) < 2:
+                raise ValueError(f"sequence {i} has {len(seq)} token(s); a training sequence needs at least 2")
+            if self.loss_mask[i].shape != (len(seq) - 1,):
+                raise ValueError(
+                    f"loss_mask[{i}] must have shape ({len(seq) - 1},), got {tuple(self.loss_mask[i].shape)}"
+                )
+
+    def num_loss_tokens(self) -> int:
+        """Trained tokens of the whole batch (a host value: the batch lives on the host)."""
+        return int(sum(int(m.sum()) for m in self.loss_mask))
+
+
+@dataclass(slots=True)
+class MicroBatchOutput:
+    """What the loss sees for one micro-batch, all ``[M]`` in layout order."""
+
+    logprobs: torch.Tensor | None = None  # fp32, with grad
+    entropy: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # critic: value of the state before token i + 1
+
+
+class Loss(Protocol):
+    """A per-micro-batch loss: returns the *sum* over masked tokens and stat sums.
+
+    The engine divides both by the global token count. Stat values are 0-d tensors (no host
+    sync here); the engine adds them up and syncs once per step.
+    """
+
+    needs_entropy: bool
+
+    def __call__(
+        self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Host figures of one ``forward_backward`` call (synced once, at its end)."""
+
+    loss: float
+    stats: dict[str, float]
+    loss_tokens: int
+    original_tokens: int
+    tree_tokens: int
+    padded_tokens: int
+    micro_batches: int
+
+    @property
+    def tree_token_ratio(self) -> float:
+        return self.tree_tokens / self.original_tokens if self.original_tokens else 1.0
+
+
+class Engine(ABC):
+    """Build from a model and a parallel strategy; train with or without tree packing."""
+
+    @abstractmethod
+    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
+        """Accumulate gradients of ``loss`` over ``batch``; ``tree`` overrides the config."""
+
+    @abstractmethod
+    def forward(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per-sequence log-probs (actor) or values (critic), no grad, input order."""
+
+    @abstractmethod
+    def step(self) -> float:
+        """Clip, apply the optimizer, zero the gradients; returns the gradient norm."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
+        """A resumable checkpoint: model, optimizer, scheduler, RNG, and ``extra``."""
+
+    @abstractmethod
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote; returns its ``extra``."""
+
+    @abstractmethod
+    def export_hf(self, path: Path) -> None:
+        """Hugging Face weights (safetensors + config) for rollout servers to load."""

@@ -1,0 +1,117 @@
+"""Trainer metrics: the names DESIGN.md fixes, in one place, and a Prometheus registry.
+
+Dashboards (charts/, dashboards/) are built on exactly these names: change one here and
+there at once. Every value is set on logging steps only, from Python floats that the
+trainer already synced (see :meth:`TrainerMetrics.observe_step`); nothing here touches a
+tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+TREE_TOKEN_RATIO = "treetrain_tree_token_ratio"
+TOKENS_TOTAL = "treetrain_tokens_total"
+STEP_DURATION_SECONDS = "treetrain_step_duration_seconds"
+TRAIN_TOKENS_PER_SECOND = "treetrain_train_tokens_per_second"
+STEPS_TOTAL = "treetrain_steps_total"
+LOSS = "treetrain_loss"
+REWARD = "treetrain_reward"
+
+# Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
+TOKEN_KINDS = ("original", "tree", "padded")
+# Step times range from well under a second (tiny CPU runs) to minutes (large models).
+STEP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+DEFAULT_PORT = 9400
+
+# Every metric name a scrape shows (counters get ``_total`` and ``_created``, histograms their series).
+NAMES = (TREE_TOKEN_RATIO, TOKENS_TOTAL, STEP_DURATION_SECONDS, TRAIN_TOKENS_PER_SECOND, STEPS_TOTAL, LOSS, REWARD)
+
+
+@dataclass(frozen=True, slots=True)
+class StepFigures:
+    """What one training step reports, as host floats."""
+
+    tree_token_ratio: float
+    original_tokens: int
+    tree_tokens: int
+    padded_tokens: int
+    seconds: float
+    loss: float
+    reward: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        # Original (unpacked) tokens: what the step trained, however well it packed.
+        return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class TrainerMetrics:
+    """The trainer's metrics in their own registry (tests can run several side by side)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.tree_token_ratio = Gauge(
+            TREE_TOKEN_RATIO, "Tree tokens / original tokens of the last packed batch (lower is better).", registry=r
+        )
+        # prometheus_client adds the _total suffix itself.
+        self.tokens = Counter(
+            TOKENS_TOTAL.removesuffix("_total"),
+            "Training tokens by kind: original (unpacked), tree (after prefix sharing), padded (padding).",
+            ["kind"],
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            STEP_DURATION_SECONDS, "Wall time of one training step.", buckets=STEP_BUCKETS, registry=r
+        )
+        self.tokens_per_second = Gauge(
+            TRAIN_TOKENS_PER_SECOND, "Original tokens trained per second in the last step.", registry=r
+        )
+        self.steps = Counter(STEPS_TOTAL.removesuffix("_total"), "Training steps completed.", registry=r)
+        self.loss = Gauge(LOSS, "Policy loss of the last step.", registry=r)
+        self.reward = Gauge(REWARD, "Mean reward of the last step's rollouts.", registry=r)
+        for kind in TOKEN_KINDS:
+            self.tokens.labels(kind=kind)  # show every series from the first scrape on
+        self._server: Any = None
+
+    def observe_step(self, fig: StepFigures) -> None:
+        self.tree_token_ratio.set(fig.tree_token_ratio)
+        self.tokens.labels(kind="original").inc(fig.original_tokens)
+        self.tokens.labels(kind="tree").inc(fig.tree_tokens)
+        self.tokens.labels(kind="padded").inc(fig.padded_tokens)
+        self.step_duration.observe(fig.seconds)
+        self.tokens_per_second.set(fig.tokens_per_second)
+        self.steps.inc()
+        self.loss.set(fig.loss)
+        self.reward.set(fig.reward)
+
+    def serve(self, port: int = DEFAULT_PORT, addr: str | None = None) -> int:
+        """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one).
+
+        ``addr=None`` binds all interfaces inside a Kubernetes pod (Prometheus scrapes the pod
+        IP) and loopback elsewhere.
+        """
+        if addr is None:
+            addr = default_addr()
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = (server, thread)
+        return int(server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            server, thread = self._server
+            server.shutdown()
+            server.server_close()
+            if isinstance(thread, threading.Thread):
+                thread.join(timeout=5)
+            self._server = None
+
+
+def default_addr() -> str:
+    return "0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"

@@ -1,0 +1,1 @@
+"""RL pieces: losses (GRPO advantages, PPO-clip, value), rollout sources, tasks."""

@@ -1,0 +1,362 @@
+"""Rollout sources: ``local`` (the trainer's own model), ``sglang`` and ``vllm`` servers.
+
+Every source takes token-id prompts and returns token ids plus the sampler's log-probs
+(the *behaviour* log-probs decoupled PPO needs). Remote sources reload weights from disk:
+the trainer saves Hugging Face weights to a shared path, then asks every server to load
+them (SGLang ``/update_weights_from_disk``; vLLM ``/collective_rpc`` ``reload_weights``,
+which needs ``VLLM_SERVER_DEV_MODE=1`` on the server).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import urllib.error
+import urllib.request
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("local", "sglang", "vllm")
+
+
+class RolloutError(RuntimeError):
+    """A rollout server that cannot be reached or answered wrongly."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str = "length"
+
+
+class RolloutClient(ABC):
+    kind: str
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
+        """One generation per prompt, in order."""
+
+    def update_weights(self, path: str, version: int) -> None:  # noqa: B027 - a no-op unless remote
+        """Load the weights saved at ``path`` (remote servers); local rollout shares the model."""
+
+    def wait_ready(self, timeout_s: float) -> None:  # noqa: B027
+        """Block until every server answers its health check."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections (nothing to release for plain HTTP requests)."""
+
+
+# -- local ------------------------------------------------------------------------------
+
+
+class LocalRollout(RolloutClient):
+    """Samples with the trainer's model (the embedded default). Every rank must call
+    :meth:`generate` together when the model is sharded."""
+
+    kind = "local"
+
+    def __init__(self, model: Any, device: Any) -> None:
+        self.model = model
+        self.device = device
+        # transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`.
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
+        import torch
+
+        out: list[Generation | None] = [None] * len(prompts)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(len(p), []).append(i)
+        gen = torch.Generator().manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for length in sorted(by_len):  # equal lengths batch without padding
+                idx = by_len[length]
+                batch = self._sample([prompts[i] for i in idx], params, gen)
+                for i, g in zip(idx, batch, strict=True):
+                    out[i] = g
+        finally:
+            self.model.train(was_training)
+        return [g for g in out if g is not None]
+
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, gen: Any) -> list[Generation]:
+        import torch
+
+        with torch.no_grad():
+            ids_BT = torch.tensor(prompts, dtype=torch.long, device=self.device)
+            res = self.model(input_ids=ids_BT, use_cache=True)
+            cache = _cache_of(res)
+            logits_BV = res.logits[:, -1].float()
+            b = ids_BT.shape[0]
+            toks: list[list[int]] = [[] for _ in range(b)]
+            lps: list[list[float]] = [[] for _ in range(b)]
+            done = [False] * b
+            reasons = ["length"] * b
+            for step in range(params.max_new_tokens):
+                logp_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
+                probs_BV = logp_BV.exp()
+                if params.top_p < 1.0:
+                    probs_BV = _top_p(probs_BV, params.top_p)
+                next_B = torch.multinomial(probs_BV.cpu(), 1, generator=gen).squeeze(1)
+                chosen = logp_BV.cpu().gather(1, next_B[:, None]).squeeze(1)
+                for r, (t, lp) in enumerate(zip(next_B.tolist(), chosen.tolist(), strict=True)):
+                    if done[r]:
+                        continue
+                    toks[r].append(t)
+                    lps[r].append(lp)
+                    if t in params.stop_token_ids:
+                        done[r], reasons[r] = True, "stop"
+                if all(done) or step == params.max_new_tokens - 1:
+                    break
+                res = self.model(input_ids=next_B[:, None].to(self.device), use_cache=True, **{self._cache_kw: cache})
+                cache = _cache_of(res)
+                logits_BV = res.logits[:, -1].float()
+        return [Generation(tokens=t, logprobs=lp, finish_reason=r) for t, lp, r in zip(toks, lps, reasons, strict=True)]
+
+
+def _cache_of(res: Any) -> Any:
+    return res["cache"] if "cache" in res else res["past_key_values"]
+
+
+def _top_p(probs_BV: Any, top_p: float) -> Any:
+    import torch
+
+    sorted_BV, order_BV = torch.sort(probs_BV, descending=True, dim=-1)
+    keep_BV = torch.cumsum(sorted_BV, -1) - sorted_BV < top_p
+    sorted_BV = sorted_BV * keep_BV
+    return torch.zeros_like(probs_BV).scatter(-1, order_BV, sorted_BV)
+
+
+# -- HTTP -------------------------------------------------------------------------------
+
+Transport = Callable[[str, str, dict[str, Any] | None, float], tuple[int, Any]]
+
+
+def http_json(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+    """One JSON request; returns (status, parsed body or text). Connection errors raise OSError."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+@dataclass(kw_only=True)
+class HTTPRollout(RolloutClient):
+    """Shared by the SGLang and vLLM clients: endpoints, retries, health checks."""
+
+    endpoints: list[str]
+    timeout_s: float = 600.0
+    retries: int = 3
+    retry_backoff_s: float = 1.0
+    transport: Transport = http_json
+    _next: int = field(default=0, init=False)
+    health_path: str = field(default="/health", init=False)
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise RolloutError("no rollout endpoints: set rollout.endpoints or TREETRAIN_ROLLOUT_ENDPOINTS")
+        self.endpoints = [e.rstrip("/") for e in self.endpoints]
+
+    def call(self, endpoint: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """A request with retries on connection errors and 5xx; 4xx fails at once."""
+        last = ""
+        for attempt in range(self.retries + 1):
+            try:
+                status, payload = self.transport(method, endpoint + path, body, self.timeout_s)
+            except OSError as err:
+                last = f"{type(err).__name__}: {err}"
+            else:
+                if status < 300:
+                    return payload
+                last = f"HTTP {status}: {str(payload)[:300]}"
+                if status < 500:
+                    break
+            if attempt < self.retries:
+                time.sleep(self.retry_backoff_s * 2**attempt)
+        raise RolloutError(f"{method} {endpoint}{path} failed: {last}")
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.endpoints)
+        while pending:
+            still = []
+            for ep in pending:
+                try:
+                    status, _ = self.transport("GET", ep + self.health_path, None, 10.0)
+                except OSError:
+                    status = 0
+                if status != 200:
+                    still.append(ep)
+            pending = still
+            if pending and time.monotonic() > deadline:
+                raise RolloutError(f"rollout servers not healthy after {timeout_s:.0f}s: {', '.join(pending)}")
+            if pending:
+                time.sleep(1.0)
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
+        # Spread prompts round-robin over the servers, one request per prompt, concurrently.
+        jobs = []
+        for i, prompt in enumerate(prompts):
+            ep = self.endpoints[(self._next + i) % len(self.endpoints)]
+            jobs.append((ep, prompt, seed + i))
+        self._next = (self._next + len(prompts)) % len(self.endpoints)
+        with ThreadPoolExecutor(max_workers=min(64, max(1, len(jobs)))) as pool:
+            return list(pool.map(lambda j: self._generate_one(j[0], j[1], params, j[2]), jobs))
+
+    @abstractmethod
+    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation: ...
+
+    def _each(self, fn: Callable[[str], None]) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.endpoints)) as pool:
+            list(pool.map(fn, self.endpoints))
+
+
+class SGLangRollout(HTTPRollout):
+    """SGLang's native API: ``POST /generate`` with ``input_ids`` and ``return_logprob``."""
+
+    kind = "sglang"
+
+    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {
+                "max_new_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "stop_token_ids": list(params.stop_token_ids),
+                "sampling_seed": seed,
+            },
+            "return_logprob": True,
+            "logprob_start_len": len(prompt),  # log-probs of the output tokens only
+            "stream": False,
+        }
+        out = self.call(endpoint, "POST", "/generate", body)
+        try:
+            meta = out["meta_info"]
+            triples = meta["output_token_logprobs"]  # [logprob, token_id, text-or-null]
+            tokens = [int(t[1]) for t in triples]
+            logprobs = [float(t[0]) for t in triples]
+            finish = meta.get("finish_reason") or {}
+            reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+        except (KeyError, TypeError, IndexError) as err:
+            raise RolloutError(f"unexpected /generate answer from {endpoint}: {err!r} in {str(out)[:300]}") from None
+        if reason == "abort":
+            raise RolloutError(f"{endpoint} aborted a generation: {finish}")
+        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
+
+    def update_weights(self, path: str, version: int) -> None:
+        # Pause (aborting in-flight requests), load from disk, continue: AReaL's disk-mode order.
+        def one(ep: str) -> None:
+            self.call(ep, "POST", "/pause_generation", {"mode": "abort"})
+            try:
+                res = self.call(
+                    ep,
+                    "POST",
+                    "/update_weights_from_disk",
+                    {"model_path": path, "abort_all_requests": True, "weight_version": str(version)},
+                )
+                if isinstance(res, dict) and res.get("success") is False:
+                    raise RolloutError(f"{ep} could not load weights from {path}: {res.get('message')}")
+            finally:
+                self.call(ep, "POST", "/continue_generation", {})
+
+        self._each(one)
+
+
+class VLLMRollout(HTTPRollout):
+    """vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts and log-probs."""
+
+    kind = "vllm"
+
+    def __init__(self, *, model: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.model = model
+
+    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": seed,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        if self.model:
+            body["model"] = self.model
+        out = self.call(endpoint, "POST", "/v1/completions", body)
+        try:
+            choice = out["choices"][0]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if choice.get("token_ids") is not None:
+                tokens = [int(t) for t in choice["token_ids"]]
+            else:  # "token_id:123" strings from return_tokens_as_token_ids
+                tokens = [int(str(t).rsplit(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
+            reason = choice.get("finish_reason") or "length"
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise RolloutError(
+                f"unexpected /v1/completions answer from {endpoint}: {err!r} in {str(out)[:300]}"
+            ) from None
+        if reason == "abort":
+            raise RolloutError(f"{endpoint} aborted a generation")
+        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
+
+    def update_weights(self, path: str, version: int) -> None:
+        # vLLM has no disk-reload route; its dev-mode collective_rpc calls the workers' reload_weights.
+        def one(ep: str) -> None:
+            self.call(ep, "POST", "/pause?mode=keep", None)
+            try:
+                self.call(
+                    ep,
+                    "POST",
+                    "/collective_rpc",
+                    {"method": "reload_weights", "kwargs": {"weights_path": path}},
+                )
+            finally:
+                self.call(ep, "POST", "/resume", None)
+
+        self._each(one)
+
+
+def detect_kind(endpoints: Sequence[str], transport: Transport = http_json) -> str:
+    """``sglang`` when the first server answers ``/model_info`` (vLLM has no such route), else ``vllm``."""
+    ep = endpoints[0].rstrip("/")
+    for path in ("/model_info", "/get_model_info"):
+        try:
+            status, _ = transport("GET", ep + path, None, 10.0)
+        except OSError:
+            continue
+        if status == 200:
+            return "sglang"
+    try:
+        status, _ = transport("GET", ep + "/v1/models", None, 10.0)
+    except OSError as err:
+        raise RolloutError(f"cannot reach rollout server {ep}: {err}") from None
+    if status == 200:
+        return "vllm"
+    raise RolloutError(f"{ep} is neither an SGLang nor a vLLM server; set trainer.rollout.kind")
