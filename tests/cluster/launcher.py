@@ -457,10 +457,32 @@ def parse_duration_ms(text: str) -> int:
     raise ClusterError(f"{text!r}: expected a duration such as 500ms, 5s or 2m")
 
 
-def up(cfg: Config) -> Cluster:
-    t_start = time.monotonic()
-    deadline = t_start + cfg.timeout
-    d = cfg.dir
+# What `up` writes into its directory; anything else there means it is not ours to delete.
+STATE_ENTRIES = {
+    "logs", "pki", "etcd", "apiserver-certs", "state.json", "state.json.tmp", "admin.kubeconfig",
+    "stages.yaml", "scheduler.yaml", "env.sh", "watchdog.json",
+}  # fmt: skip
+
+
+def remove_state(d: Path, *, keep_logs: bool = False) -> None:
+    foreign = sorted(p.name for p in d.iterdir() if p.name not in STATE_ENTRIES)
+    if foreign:
+        raise ClusterError(
+            f"{d} holds files that tests/cluster did not write ({', '.join(foreign[:5])}); "
+            "refusing to delete it: pass a new or empty --dir"
+        )
+    for child in d.iterdir():
+        if keep_logs and child.name == "logs":
+            continue
+        if child.is_dir():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    if not keep_logs:
+        d.rmdir()
+
+
+def check_not_running(d: Path) -> None:
     if (d / "state.json").exists():
         state = json.loads((d / "state.json").read_text())
         running = [n for n, e in state.get("processes", {}).items() if alive(e)]
@@ -469,8 +491,15 @@ def up(cfg: Config) -> Cluster:
                 f"a cluster is already running from {d} ({', '.join(running)}); "
                 f"stop it with `tests/cluster/down --dir {d}` or pick another --dir"
             )
+
+
+def up(cfg: Config) -> Cluster:
+    """Start the cluster in `cfg.dir` (which must hold no running cluster: check_not_running)."""
+    t_start = time.monotonic()
+    deadline = t_start + cfg.timeout
+    d = cfg.dir
     if d.exists():
-        shutil.rmtree(d)
+        remove_state(d)
     bin_dir = cfg.bin_dir or find_bin_dir(cfg.build)
     for name in (*COMPONENTS, "kubectl", "helm"):
         if not (bin_dir / name).is_file():
@@ -678,7 +707,7 @@ def down(d: Path, *, keep_logs: bool, quiet: bool = False) -> None:
         if not quiet:
             say(f"no cluster state in {d}: nothing to stop")
         if d.exists() and not keep_logs:
-            shutil.rmtree(d, ignore_errors=True)
+            remove_state(d)
         return
     state = json.loads(state_file.read_text())
     procs: dict[str, dict[str, Any]] = state.get("processes", {})
@@ -697,15 +726,7 @@ def down(d: Path, *, keep_logs: bool, quiet: bool = False) -> None:
                 os.kill(int(entry["pid"]), signal.SIGTERM)
     if not quiet:
         say(f"stopped {', '.join(live) if live else 'nothing (no process was running)'}")
-    if keep_logs:
-        for child in d.iterdir():
-            if child.name != "logs":
-                if child.is_dir():
-                    shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(d, ignore_errors=True)
+    remove_state(d, keep_logs=keep_logs)
 
 
 def stop(names: list[str], procs: dict[str, dict[str, Any]], grace: float = 10) -> None:
@@ -842,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
                 build=not args.no_build,
                 owner_pid=args.owner_pid,
             )
+            # Outside the clean-up below, which must never stop a cluster that this call did not start.
+            check_not_running(cfg.dir)
             try:
                 c = up(cfg)
             except BaseException:
