@@ -108,10 +108,13 @@ class TreeTensors:
 
     @classmethod
     def from_tree(cls, tree: PackedTree, device: torch.device) -> TreeTensors:
-        input_ids_N = torch.tensor(tree.input_ids, dtype=torch.long)
-        position_ids_N = torch.tensor(tree.position_ids, dtype=torch.long)
-        seq_tokens = torch.tensor(tree.seq_tokens, dtype=torch.long)
-        offsets = torch.tensor(tree.seq_offsets, dtype=torch.long)
+        from treetrain.attention.meta import long_tensor
+
+        cpu = torch.device("cpu")
+        input_ids_N = long_tensor(tree.input_ids, cpu)
+        position_ids_N = long_tensor(tree.position_ids, cpu)
+        seq_tokens = long_tensor(tree.seq_tokens, cpu)
+        offsets = long_tensor(tree.seq_offsets, cpu)
         first = torch.zeros(seq_tokens.shape[0], dtype=torch.bool)
         first[offsets[:-1]] = True
         last = torch.zeros_like(first)
