@@ -3,12 +3,15 @@ sequence run alone through tiny random Llama / Qwen2 / Qwen3 models (fp32, <= 1e
 
 from __future__ import annotations
 
+import functools
 import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tree_helpers import tiny_model
 
 import treetrain
@@ -203,3 +206,32 @@ def test_gradient_checkpointing_recomputes_tree_attention(backend: str) -> None:
     plain, checkpointed = grads(False), grads(True)
     for name, ref in plain.items():
         torch.testing.assert_close(checkpointed[name], ref, msg=name)
+
+
+@st.composite
+def _token_tries(draw: st.DrawFn) -> list[list[int]]:
+    seqs: list[list[int]] = []
+    for _ in range(draw(st.integers(1, 6))):
+        if seqs and draw(st.booleans()):
+            base = draw(st.sampled_from(seqs))
+            seq = base[: draw(st.integers(0, len(base)))] + draw(st.lists(st.integers(1, 100), max_size=20))
+        else:
+            seq = draw(st.lists(st.integers(1, 100), min_size=1, max_size=30))
+        seqs.append(seq or [1])
+    return seqs
+
+
+@functools.cache
+def _property_model() -> torch.nn.Module:
+    return tiny_model("qwen3", seed=5)  # type: ignore[no-any-return]
+
+
+# The autouse block-size fixture is function-scoped; it sets the same value for every example.
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seqs=_token_tries(), backend=st.sampled_from(BACKENDS))
+def test_property_parity_on_random_tries(seqs: list[list[int]], backend: str) -> None:
+    model = _property_model()
+    with torch.no_grad():
+        got = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=64, attention=backend)
+        for s, g in zip(seqs, got, strict=True):
+            torch.testing.assert_close(g, _alone(model, s), rtol=0, atol=1e-4)
