@@ -201,3 +201,13 @@ def test_panels_are_well_formed(name: str) -> None:
         assert refs and len(refs) == len(set(refs)) and all(refs)
         grid = panel["gridPos"]
         assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+
+
+def test_metrics_reference_lists_every_metric() -> None:
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    families = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
+    trainer = {
+        n.removesuffix("_bucket") for n in DESIGN_TRAINER | LOSS_AND_REWARD if not n.endswith(("_sum", "_count"))
+    }
+    missing = sorted(n for n in families | trainer if f"`{n}`" not in doc)
+    assert not missing, f"docs/metrics.md does not list {missing}"
