@@ -256,3 +256,12 @@ def test_trainer_dockerfile() -> None:
     # The trainer listens on the port the operator declares for scraping.
     exposed = " ".join(a for k, a in ins if k == "EXPOSE").split()
     assert "9400" in exposed
+
+
+def test_trainer_command_module_runs() -> None:
+    """The trainer pods' `torchrun -m treetrain.cli train CONFIG` needs `python -m treetrain.cli`."""
+    done = subprocess.run(
+        [sys.executable, "-m", "treetrain.cli", "train", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage: treetrain train" in done.stdout
