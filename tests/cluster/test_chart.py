@@ -415,26 +415,24 @@ def test_watched_namespaces_install_reconciles_only_there(cluster: Cluster, name
 
 
 @pytest.mark.slow  # builds promlint with Go the first time (about a minute)
-def test_trainer_metric_names_pass_promlint(promlint: Path) -> None:
-    """DESIGN.md's trainer metrics, with their types, as prometheus_client exposes them, pass the
-    linter. A stand-in registry: the trainer (issue 6) does not serve /metrics yet; its real
-    exposition should be fed to the same check once it does."""
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+def test_trainer_metrics_endpoint_passes_promlint(promlint: Path) -> None:
+    """The trainer's /metrics (treetrain.metrics.TrainerMetrics, what `treetrain train` serves on
+    :9400), after one step, scraped over loopback, passes the linter."""
+    from treetrain.metrics import StepFigures, TrainerMetrics
 
-    registry = CollectorRegistry()
-    Gauge(
-        "treetrain_tree_token_ratio", "Tree tokens / original tokens of the last packed batch.", registry=registry
-    ).set(0.4)
-    tokens = Counter("treetrain_tokens", "Tokens by kind.", ["kind"], registry=registry)
-    for kind, n in (("original", 1000), ("tree", 400), ("padded", 20)):
-        tokens.labels(kind=kind).inc(n)
-    Histogram("treetrain_step_duration_seconds", "Optimizer step time.", registry=registry).observe(1.5)
-    Gauge("treetrain_train_tokens_per_second", "Original tokens trained per second.", registry=registry).set(900)
-    Counter("treetrain_steps", "Optimizer steps.", registry=registry).inc()
-    Gauge("treetrain_loss", "Loss of the last step.", registry=registry).set(0.7)
-    Gauge("treetrain_reward", "Mean reward of the last step.", registry=registry).set(0.2)
-    lint = lint_metrics(promlint, generate_latest(registry).decode())
+    metrics = TrainerMetrics()
+    port = metrics.serve(0, "127.0.0.1")
+    try:
+        metrics.observe_step(
+            StepFigures(tree_token_ratio=0.4, original_tokens=1000, tree_tokens=400, padded_tokens=20,
+                        seconds=1.5, loss=0.7, reward=0.2)
+        )  # fmt: skip
+        status, text = http_get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        metrics.close()
+    assert status == 200 and 'treetrain_tokens_total{kind="tree"} 400.0' in text
+    lint = lint_metrics(promlint, text)
     assert lint.returncode == 0, lint.stderr
-    # And the linter does catch what promtool catches.
+    # And the linter catches what promtool catches.
     bad = lint_metrics(promlint, "# HELP treetrain_steps x\n# TYPE treetrain_steps counter\ntreetrain_steps 1\n")
     assert bad.returncode == 3 and 'counter metrics should have "_total" suffix' in bad.stderr
