@@ -367,28 +367,26 @@ class Trainer:
             metrics_port=self.metrics_port,
         )
 
-    def compare(self, repeat: int = 2) -> Comparison:
-        """Train the same batches tree-packed and flat (gradients thrown away); best of ``repeat``.
+    def compare(self, repeat: int = 3) -> Comparison:
+        """Train the same batches tree-packed and flat (gradients thrown away).
 
-        Burn-in one pass per mode first, as bench/train_step.py does. On a CPU every op has
-        finished when the call returns, so no synchronize is needed before reading the clock.
+        One burn-in pass per mode, then ``repeat`` measured rounds that alternate the modes,
+        so a load change on a shared machine hits both; the best round of each counts. On a
+        CPU every op has finished when the call returns (on a GPU: synchronize first).
         """
-        times = {}
+        times = {True: float("inf"), False: float("inf")}
         for mode in (True, False):
             self.actor.forward_backward(self.batches[0], self.loss, tree=mode)  # burn-in
             self.actor.zero_grad()
-            best = float("inf")
-            for _ in range(repeat):
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+        for _ in range(repeat):
+            for mode in (True, False):
+                _sync()
                 t0 = time.perf_counter()
                 for b in self.batches:
                     self.actor.forward_backward(b, self.loss, tree=mode)
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t0)
+                _sync()
+                times[mode] = min(times[mode], time.perf_counter() - t0)
                 self.actor.zero_grad()
-            times[mode] = best
         packed = [self.actor.pack(b.sequences, tree=True).stats for b in self.batches]
         ratio = sum(s.tree_tokens for s in packed) / max(sum(s.original_tokens for s in packed), 1)
         return Comparison(
@@ -399,6 +397,11 @@ class Trainer:
         self.metrics.close()
         if self.client is not None:
             self.client.close()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def format_record(rec: StepRecord, total: int) -> str:
