@@ -72,7 +72,7 @@ def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.
         inputs = {k: v[i] for k, v in batch.tensors.items()}
         mb_loss, _ = loss(out, batch.loss_mask[i], inputs)
         (mb_loss / total).backward()
-        value += float(mb_loss) / total
+        value += float(mb_loss.detach()) / total
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return value, grads
 
