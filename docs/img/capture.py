@@ -1,6 +1,7 @@
 """Capture real metrics of a local run, for the dashboard pictures in docs/metrics.md.
 
     make cluster-bin && eval "$(tests/cluster/up)"
+    helm install rljob-operator charts/rljob-operator -n rljob-system --create-namespace   # the CRD
     .venv/bin/python docs/img/capture.py --minutes 8 --out build/dashboard-samples.jsonl
     tests/cluster/down
     .venv/bin/python docs/img/render.py build/dashboard-samples.jsonl   # needs matplotlib
@@ -10,12 +11,11 @@ What runs, all on this machine (loopback only):
 - ``rljob operator`` against the test control plane (simulated GPU nodes), with a scenario of
   RLJobs: two that run, one whose trainer fails until it is Failed, one too big to schedule, one
   suspended. Its /metrics is scraped as the ServiceMonitor would (honouring its labels).
-- Two local training loops standing in for trainer pods (the trainer of issue 6 does not serve
-  metrics yet): a tiny Llama (random init, CPU, fp32) trained with treetrain's tree packing and
-  tree attention on synthetic RL-shaped batches from bench/workloads.py (agentic multi-turn and
-  GRPO shapes), a fixed cycle of batches so the loss falls. Each exports DESIGN.md's trainer
-  metrics on a loopback port; the scraper adds the labels the PodMonitor would add (namespace,
-  rljob, component, pod). There is no rollout and so no reward: the Reward panel stays empty.
+- Two real ``treetrain train`` runs on the CPU standing in for the trainer pods of the two
+  running RLJobs: the embedded default job (a tiny random Llama, the built-in multi-turn task,
+  local rollout, GRPO, tree packing) and a variant with more turns and larger groups. Each
+  serves its /metrics on a loopback port; the scraper adds the labels the PodMonitor would add
+  (namespace, rljob, component, pod).
 
 Every 2 s each target is scraped and every sample is written as one JSON line
 ``{"t": unix_time, "name": ..., "labels": {...}, "value": ...}``.
@@ -40,84 +40,30 @@ FAIL = {"sim.treetrain.dev/fail": "true"}
 
 
 # ---------------------------------------------------------------------------
-# A local training loop with the trainer's metrics
+# The trainers
+
+# Overrides of the embedded default job for the second RLJob: longer conversations, larger groups.
+VARIANT: dict[str, Any] = {"trainer": {"taskArgs": {"turns": 6}, "groupsPerStep": 6, "groupSize": 8}}
 
 
-def train(port: int, workload: str, seconds: float) -> None:
-    import torch
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+def trainer_argv(variant: bool, port: int, workdir: Path) -> list[str]:
+    import yaml
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from train_step import tiny_llama  # type: ignore[import-not-found]
-    from workloads import agentic, grpo  # type: ignore[import-not-found]
+    from treetrain.trainer.config import embedded_default
 
-    from treetrain.attention import TreeAttentionMeta, tree_forward
-    from treetrain.logprob import TreeTensors, gather_logprobs
-    from treetrain.tree import PackConfig, pack
-
-    torch.set_num_threads(1)
-    registry = CollectorRegistry()
-    ratio = Gauge("treetrain_tree_token_ratio", "Tree tokens / original tokens of the last batch.", registry=registry)
-    tokens = Counter("treetrain_tokens", "Tokens by kind.", ["kind"], registry=registry)
-    step_time = Histogram(
-        "treetrain_step_duration_seconds",
-        "Optimizer step time.",
-        buckets=(0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
-        registry=registry,
-    )
-    tps = Gauge("treetrain_train_tokens_per_second", "Original tokens trained per second.", registry=registry)
-    steps = Counter("treetrain_steps", "Optimizer steps.", registry=registry)
-    loss_g = Gauge("treetrain_loss", "Loss of the last step.", registry=registry)
-    start_http_server(port, addr="127.0.0.1", registry=registry)
-
-    vocab, block = 512, 64
-    model = tiny_llama(vocab)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scale = 0.08
-
-    def batch(seed: int) -> list[list[int]]:
-        if workload == "agentic":
-            seqs = agentic(1, 4, scale=scale, seed=seed)
-        else:
-            seqs = grpo(6, 512, 768, 8, scale=scale, seed=seed)
-        return [[t % vocab for t in s] for s in seqs]
-
-    batches = [pack(batch(seed), PackConfig(max_tokens_per_mb=2048, block_size=block)) for seed in range(6)]
-    deadline = time.monotonic() + seconds
-    step = 0
-    while time.monotonic() < deadline:
-        packed = batches[step % len(batches)]
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        total = packed.stats.original_tokens - packed.stats.num_sequences
-        loss_sum = 0.0
-        for tree in packed.trees:
-            tensors = TreeTensors.from_tree(tree, torch.device("cpu"))
-            meta = TreeAttentionMeta.from_tree(tree, backend="sparse", block_size=block, device=torch.device("cpu"))
-            with tree_forward():
-                logits = model(
-                    input_ids=tensors.input_ids_N[None],
-                    position_ids=tensors.position_ids_N[None],
-                    use_cache=False,
-                    tree_attention=meta,
-                ).logits
-            logits = logits.view(logits.shape[-2], logits.shape[-1])
-            logp, _ = gather_logprobs(logits, tensors.pred_M, tensors.label_M)
-            loss = -logp.sum() / total
-            loss.backward()
-            loss_sum += loss.detach().item()  # CPU: no device sync to worry about
-        optimizer.step()
-        elapsed = time.perf_counter() - t0
-        stats = packed.stats
-        ratio.set(stats.tree_token_ratio)
-        tokens.labels(kind="original").inc(stats.original_tokens)
-        tokens.labels(kind="tree").inc(stats.tree_tokens)
-        tokens.labels(kind="padded").inc(stats.padded_tokens)
-        step_time.observe(elapsed)
-        tps.set(stats.original_tokens / elapsed)
-        steps.inc()
-        loss_g.set(loss_sum)
-        step += 1
+    argv = [str(Path(sys.executable).parent / "treetrain"), "train"]
+    if variant:
+        config = embedded_default()
+        for section, values in VARIANT.items():
+            for key, value in values.items():
+                merged = {**config[section][key], **value} if isinstance(value, dict) else value
+                config[section][key] = merged
+        path = workdir / "variant.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv.append(str(path))
+    name = "variant" if variant else "default"
+    return [*argv, "--steps", "100000", "--no-compare", "--metrics-port", str(port),
+            "--checkpoint-dir", str(workdir / f"checkpoints-{name}")]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
@@ -203,13 +149,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "dashboard-samples.jsonl")
-    parser.add_argument("--trainer", choices=["agentic", "grpo"], help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     seconds = args.minutes * 60
-    if args.trainer:
-        train(args.port, args.trainer, seconds)
-        return 0
     if "KUBECONFIG" not in os.environ:
         print('capture: set KUBECONFIG first: eval "$(tests/cluster/up)"', file=sys.stderr)
         return 2
@@ -226,11 +167,12 @@ def main() -> int:
         )
     ]  # fmt: skip
     targets = [(f"http://127.0.0.1:{metrics}/metrics", {})]
-    for rljob_name, workload in (("agent-demo", "agentic"), ("grpo-demo", "grpo")):
+    workdir = args.out.parent / "capture-work"
+    workdir.mkdir(parents=True, exist_ok=True)
+    for rljob_name, variant in (("agent-demo", False), ("grpo-demo", True)):
         port = free_port()
-        trainer_seconds = seconds - (20 if rljob_name == "agent-demo" else 60)
-        argv = [sys.executable, __file__, "--trainer", workload, "--port", str(port)]
-        procs.append(subprocess.Popen([*argv, "--minutes", str(trainer_seconds / 60)]))
+        log = (workdir / f"{rljob_name}.log").open("w")
+        procs.append(subprocess.Popen(trainer_argv(variant, port, workdir), stdout=log, stderr=subprocess.STDOUT))
         pod = f"{rljob_name}-trainer-0"
         labels = {"namespace": NAMESPACE, "rljob": rljob_name, "component": "actor", "pod": pod}
         targets.append((f"http://127.0.0.1:{port}/metrics", labels))
