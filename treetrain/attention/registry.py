@@ -8,15 +8,20 @@ from collections.abc import Callable
 import torch
 
 from treetrain.attention.dense import dense_attention
+from treetrain.attention.flex import flex_attention
 from treetrain.attention.meta import TreeAttentionMeta
 from treetrain.attention.sparse import sparse_attention
+from treetrain.attention.triton_tree import TritonUnavailableError, check_available, triton_attention
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TreeAttentionMeta, float], torch.Tensor]
 
-BACKENDS: dict[str, AttentionFn] = {"dense": dense_attention, "sparse": sparse_attention}
-# Names DESIGN.md reserves for backends that are not built yet.
-PLANNED = ("flex", "triton")
-NAMES = ("auto", *BACKENDS, *PLANNED)
+BACKENDS: dict[str, AttentionFn] = {
+    "dense": dense_attention,
+    "sparse": sparse_attention,
+    "flex": flex_attention,
+    "triton": triton_attention,
+}
+NAMES = ("auto", *BACKENDS)
 DEFAULT_BLOCK_SIZE = 128
 
 
@@ -24,20 +29,34 @@ class UnknownBackendError(ValueError):
     """An attention name that is not a backend; the message lists the valid ones."""
 
 
-def resolve(name: str, device: torch.device | None = None) -> str:
-    """The concrete backend for ``name``. ``auto`` reads ``TREETRAIN_ATTENTION`` first."""
+class BackendUnavailableError(ValueError):
+    """A valid backend that cannot run here (device, gradients, missing package)."""
+
+
+def resolve(name: str, device: torch.device | None = None, *, needs_grad: bool = False) -> str:
+    """The concrete backend for ``name`` on ``device``. ``auto`` reads ``TREETRAIN_ATTENTION``
+    first, then picks ``flex`` on CUDA (fused, forward and backward) and ``sparse``
+    elsewhere (the portable block-sparse path, with autograd). An explicit choice that
+    cannot work here fails now, with the reason, instead of deep inside a forward pass."""
     if name == "auto":
         name = os.environ.get("TREETRAIN_ATTENTION", "auto") or "auto"
+    on_cuda = device is not None and device.type == "cuda"
     if name == "auto":
-        # `sparse` runs everywhere; fused GPU backends take over here once they exist.
-        return "sparse"
-    if name in BACKENDS:
-        return name
-    if name in PLANNED:
-        raise UnknownBackendError(
-            f"attention backend {name!r} is not available in this version; use one of: {', '.join(('auto', *BACKENDS))}"
-        )
-    raise UnknownBackendError(f"unknown attention backend {name!r}; valid: {', '.join(NAMES)}")
+        return "flex" if on_cuda else "sparse"
+    if name not in BACKENDS:
+        raise UnknownBackendError(f"unknown attention backend {name!r}; valid: {', '.join(NAMES)}")
+    if device is not None and not on_cuda:
+        if name == "flex" and needs_grad:
+            raise BackendUnavailableError(
+                f"attention='flex' has no backward on {device.type}; train with 'sparse' (or 'auto') here, "
+                "and use 'flex' on CPU only for forward passes under torch.no_grad()"
+            )
+        if name == "triton":
+            try:
+                check_available(device)
+            except TritonUnavailableError as err:
+                raise BackendUnavailableError(str(err)) from None
+    return name
 
 
 def get(name: str) -> AttentionFn:
