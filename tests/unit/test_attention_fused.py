@@ -147,7 +147,7 @@ def test_flex_branch_at_every_offset() -> None:
 def test_flex_refuses_gradients_on_cpu() -> None:
     tree = _tree([[1, 2, 3], [1, 2, 4]])
     q, k, v = (t.requires_grad_() for t in _qkv(tree.padded_len))
-    with pytest.raises(FlexUnavailableError, match="no backward on cpu.*attention='sparse'"):
+    with pytest.raises(FlexUnavailableError, match=r"no backward on cpu.*attention='sparse'"):
         flex_attention(q, k, v, _meta(tree, "flex"), 0.25)
 
 
@@ -199,7 +199,7 @@ def test_explicit_choices_that_cannot_work_fail_early(monkeypatch: pytest.Monkey
         resolve("flex", cpu, needs_grad=True)
     assert resolve("flex", cpu) == "flex"  # forward-only use is fine
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(BackendUnavailableError, match="needs a CUDA GPU.*TRITON_INTERPRET=1"):
+    with pytest.raises(BackendUnavailableError, match=r"needs a CUDA GPU.*TRITON_INTERPRET=1"):
         resolve("triton", cpu)
     with pytest.raises(TritonUnavailableError):
         check_available(cpu)
