@@ -456,9 +456,15 @@ def test_rljob_operator_command_for_one_namespace(
         wait_for("liveness 200", lambda: _http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout=60)
         create(cluster, namespace, rljob("cli"))
         wait_for("cli Running", phase_is(cluster, namespace, "cli", "Running"))
-        status, text = _http_get(f"http://127.0.0.1:{metrics}/metrics")
-        assert status == 200
-        assert 'rljob_jobs{phase="Running"} 1.0' in text
+        # The metrics follow the status patch within the same reconcile pass: poll, don't race it.
+        text = wait_for(
+            "Running in /metrics",
+            lambda: (
+                (r := _http_get(f"http://127.0.0.1:{metrics}/metrics"))[0] == 200
+                and 'rljob_jobs{phase="Running"} 1.0' in r[1]
+                and r[1]
+            ),
+        )
         assert f'rljob_gpus_requested{{component="actor",namespace="{namespace}",rljob="cli"}} 8.0' in text
         assert "rljob_reconcile_duration_seconds_bucket" in text
     finally:
