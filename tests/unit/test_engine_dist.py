@@ -115,6 +115,17 @@ def _check(backend: str, role: str, tmp: Path) -> None:
         engine.forward_backward(batch, loss)
         assert engine.step() > 0
         engine.export_hf(tmp / f"export-{backend.replace(':', '-')}")
+        # A sharded checkpoint (DCP) restores model and optimizer exactly: the next step matches.
+        ckpt = tmp / f"ckpt-{backend.replace(':', '-')}"
+        engine.save(ckpt, {"step": 1})
+        after = []
+        for _ in range(2):
+            engine.forward_backward(batch, loss)
+            engine.step()
+            after.append(engine.forward_backward(batch, loss).loss)
+            engine.zero_grad()
+            assert engine.load(ckpt) == {"step": 1}
+        assert after[0] == after[1], after
 
 
 def _worker(rank: int, port: int, tmp: str, errors: Any) -> None:

@@ -388,7 +388,10 @@ class FSDPEngine(Engine):
         import torch.distributed.checkpoint as dcp
 
         path.mkdir(parents=True, exist_ok=True)
-        dcp.save(self._state(), checkpoint_id=str(path / self.role))
+        if self.layout.world_size > 1:
+            dcp.save(self._state(), checkpoint_id=str(path / self.role))  # each rank writes its shards
+        else:
+            torch.save(self._state(), path / f"{self.role}.pt")  # one process: no collectives to plan
         rng = {
             "python": random.getstate(),
             "torch": torch.get_rng_state(),
@@ -402,8 +405,11 @@ class FSDPEngine(Engine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        state = self._state()
-        dcp.load(state, checkpoint_id=str(path / self.role))
+        if self.layout.world_size > 1:
+            state = self._state()
+            dcp.load(state, checkpoint_id=str(path / self.role))
+        else:
+            state = torch.load(path / f"{self.role}.pt", weights_only=False)
         if self.optimizer is None:
             set_model_state_dict(self.model, state["model"])
         else:

@@ -17,6 +17,7 @@ from typing import Any
 
 from treetrain.engines.base import OptimConfig, TreeTrainingConfig
 from treetrain.engines.fsdp import ModelConfig
+from treetrain.engines.parallel import allocation_for
 from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.rollout import KINDS
 
@@ -137,6 +138,10 @@ class TrainConfig:
     def check(self) -> list[str]:
         """Problems that span sections."""
         problems = []
+        try:
+            allocation_for(self.actor.backend)
+        except ValueError as err:
+            problems.append(f"actor.backend: {err}")
         if self.trainer.algorithm == "ppo" and self.critic is None:
             problems.append("trainer.algorithm: ppo needs a critic: add `critic: {}` (colocated with the actor)")
         if self.trainer.algorithm == "grpo" and self.critic is not None:

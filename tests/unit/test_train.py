@@ -1,0 +1,252 @@
+"""The trainer: config validation (exit 2, every problem with its path, no traceback),
+exact resume from a checkpoint, the PPO + critic path, and the embedded default end to end."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from treetrain.cli import main
+from treetrain.trainer import config as C
+from treetrain.trainer.loop import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
+    """A seconds-long config: tiny model, 2 groups x 2 samples, 2 turns of 4 tokens."""
+    cfg: dict[str, Any] = {
+        "model": {"path": "builtin:tiny-llama", "seed": 1},
+        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256}},
+        "trainer": {
+            "steps": 3,
+            "task": "builtin:parity",
+            "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
+            "groupsPerStep": 2,
+            "groupSize": 2,
+            "optimizer": {"lr": 1e-2},
+            "metrics": {"enabled": False},
+            **trainer,
+        },
+    }
+    if tmp is not None:
+        cfg["checkpoint"] = {"dir": str(tmp), "intervalSteps": 2}
+    return cfg
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "TREETRAIN_ATTENTION", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("TREETRAIN_ROLLOUT_ENDPOINTS", "TREETRAIN_CHECKPOINT_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
+
+
+# -- config ---------------------------------------------------------------------------------
+
+
+def test_the_operator_config_shape_is_accepted() -> None:
+    """Exactly what operator/plan.py::_config_map writes, plus our trainer: section."""
+    raw = {
+        "model": {"path": "builtin:tiny-llama"},
+        "actor": {
+            "backend": "fsdp:d1",
+            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto"},
+        },
+        "checkpoint": {"dir": "/checkpoints", "intervalSteps": 50},
+        "rollout": {"endpoints": ["http://demo-rollout-0.demo-rollout:30000"]},
+        "trainer": {"steps": 5},
+        "ref": {"backend": "fsdp:d1", "colocated": True},
+    }
+    cfg = C.from_dict(raw, env={})
+    assert cfg.actor.tree_training.max_tokens_per_mb == 32768
+    assert cfg.checkpoint.interval_steps == 50
+    assert cfg.rollout.endpoints == ["http://demo-rollout-0.demo-rollout:30000"]
+    assert cfg.ref is not None and cfg.trainer.steps == 5
+
+
+def test_the_environment_overrides_the_config() -> None:
+    env = {
+        "TREETRAIN_ROLLOUT_ENDPOINTS": "http://a:1, http://b:2",
+        "TREETRAIN_CHECKPOINT_DIR": "/ckpt",
+        "TREETRAIN_ATTENTION": "dense",
+    }
+    cfg = C.from_dict(small(), env=env)
+    assert cfg.rollout.endpoints == ["http://a:1", "http://b:2"]
+    assert cfg.checkpoint.dir == "/ckpt"
+    assert cfg.actor.tree_training.attention == "dense"
+
+
+@pytest.mark.parametrize(
+    ("patch", "env", "expected"),
+    [
+        ({"trainer": {"lr": 1}}, {}, "trainer.lr: unknown key; valid keys: "),
+        ({"trainer": {"steps": "ten"}}, {}, "trainer.steps: expected int, got 'ten'"),
+        ({"trainer": {"steps": 0}}, {}, "steps must be >= 1"),
+        ({"trainer": {"optimizer": {"lr": -1.0}}}, {}, "trainer.optimizer: lr must be a positive number"),
+        ({"trainer": {"loss": {"clipEps": 2.0}}}, {}, "clip_eps must be in (0, 1)"),
+        ({"actor": {"backend": "fsdp:d2c2"}}, {}, "context parallelism (c2 in 'fsdp:d2c2') is not supported"),
+        ({"actor": {"backend": "sglang:d2"}}, {}, "actor.backend:"),
+        ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch must be a positive"),
+        ({"actor": {"treeTraining": {"attention": "magic"}}}, {}, "attention must be one of"),
+        ({"critic": {"colocated": False}, "trainer": {"algorithm": "ppo"}}, {}, "critic.colocated: false"),
+        ({"trainer": {"algorithm": "ppo"}}, {}, "ppo needs a critic"),
+        ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
+        ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),
+        ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE=critic"),
+    ],
+)
+def test_bad_configs_exit_2_with_the_path(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    patch: dict[str, Any],
+    env: dict[str, str],
+    expected: str,
+) -> None:
+    raw = small()
+    for section, values in patch.items():
+        raw[section] = _merge(raw.get(section, {}), values)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert "Traceback" not in err
+
+
+def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in patch.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("actor: {backend: 'fsdp:d1', nope: 1}\ntrainer: {steps: -1, groupSize: x}\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    for needle in ("model: required", "actor.nope: unknown key", "trainer.groupSize: expected int"):
+        assert needle in err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("", "must be a YAML mapping"), ("a: [", "not valid YAML"), (None, "cannot read")]
+)
+def test_unreadable_configs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, expected: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert main(["train", str(path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_layout_that_needs_more_processes_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_merge(small(), {"actor": {"backend": "fsdp:d2"}})))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "needs 2 processes but 1 were started" in err and "Traceback" not in err
+
+
+def test_resume_without_a_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(small(tmp_path / "ckpt")))
+    assert main(["train", str(path), "--resume"]) == 2
+    assert "--resume: no checkpoint in" in capsys.readouterr().err
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
+
+
+def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
+    # A reference model with KL makes the loss non-trivial (on-policy GRPO alone sums to ~0).
+    extra = {"loss": {"klCoef": 0.05}}
+    straight = Trainer(C.from_dict({**small(**extra), "ref": {}}, env={}), log=lambda _: None)
+    want = straight.run().records
+    want_params = _params(straight)
+    straight.close()
+
+    first = C.from_dict({**small(tmp_path, **extra), "ref": {}}, env={})
+    first.trainer.steps = 2
+    t1 = Trainer(first, log=lambda _: None)
+    t1.run()
+    t1.close()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+
+    lines: list[str] = []
+    t2 = Trainer(C.from_dict({**small(tmp_path, **extra), "ref": {}}, env={}), log=lines.append)
+    got = t2.run()
+    assert got.start_step == 2 and [r.step for r in got.records] == [3]
+    assert any("resumed from" in line for line in lines)
+    a, b = want[2], got.records[0]
+    assert (a.loss, a.reward, a.grad_norm, a.stats) == (b.loss, b.reward, b.grad_norm, b.stats)
+    assert a.loss != 0.0
+    for name, p in _params(t2).items():
+        assert torch.equal(p, want_params[name]), name
+    t2.close()
+
+
+def test_ppo_with_a_tree_packed_critic_trains() -> None:
+    raw = {**small(algorithm="ppo"), "critic": {}}
+    trainer = Trainer(C.from_dict(raw, env={}), log=lambda _: None)
+    summary = trainer.run()
+    trainer.close()
+    assert len(summary.records) == 3
+    assert all("value_loss" in r.stats for r in summary.records)
+    assert all(r.tree_token_ratio < 1.0 for r in summary.records)
+
+
+def test_a_user_task_loads_from_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_task.py").write_text(
+        "from treetrain.rl.task import ParityTask\n"
+        "def make(turns=1):\n"
+        "    return ParityTask(turns=turns, user_tokens=3, system_tokens=8, max_new_tokens=3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    raw = small(task="my_task:make", taskArgs={"turns": 3})
+    raw["trainer"]["steps"] = 1
+    trainer = Trainer(C.from_dict(raw, env={}), log=lambda _: None)
+    rollouts = trainer.collect(0)
+    trainer.close()
+    assert len(rollouts.samples) == 2 * 2 * 3  # groups x samples x turns: one sample per turn
+
+
+@pytest.mark.slow
+def test_the_embedded_default_runs_end_to_end() -> None:
+    """`treetrain train` with no arguments, as a newcomer runs it (a fresh process)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "treetrain.cli", "train"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 8 and steps[-1].startswith("step 8/8")
+    assert all("tree_token_ratio" in s and "tokens/s" in s for s in steps)
+    assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
+    assert any("speedup tree vs flat on the same 2 batches" in line for line in lines)
+    assert "Traceback" not in out.stderr
