@@ -1,0 +1,254 @@
+"""SGLang and vLLM rollout clients against local HTTP stand-ins.
+
+The stand-ins below are NOT SGLang or vLLM: they are small fakes on 127.0.0.1 that answer
+with the request/response shapes those servers document (SGLang ``/generate`` with
+``input_ids`` and ``meta_info.output_token_logprobs``; vLLM ``/v1/completions`` with
+``token_ids`` and ``logprobs.token_logprobs``) and record every call, so the tests can
+assert the weight-sync sequence. Nothing here dials anything but loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from treetrain.rl.rollout import RolloutError, SamplingParams, SGLangRollout, VLLMRollout, detect_kind
+
+
+def _tokens(prompt: list[int], n: int) -> list[int]:
+    return [8 + (len(prompt) + i) % 400 for i in range(n)]
+
+
+class FakeServer:
+    """A stand-in rollout server of one ``kind`` (sglang or vllm) on 127.0.0.1."""
+
+    def __init__(self, kind: str, *, fail_first: int = 0) -> None:
+        self.kind = kind
+        self.calls: list[tuple[str, str, Any]] = []
+        self.fail_first = fail_first
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                fake.calls.append(("GET", self.path, None))
+                status, body = fake.get(self.path)
+                self._reply(status, body)
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                fake.calls.append(("POST", self.path, body))
+                status, out = fake.post(self.path, body)
+                self._reply(status, out)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    def paths(self, method: str = "POST") -> list[str]:
+        return [p for m, p, _ in self.calls if m == method]
+
+    def get(self, path: str) -> tuple[int, Any]:
+        if path == "/health":
+            return 200, {}
+        if self.kind == "sglang" and path == "/model_info":
+            return 200, {"model_path": "/models/x", "weight_version": "0"}
+        if path == "/v1/models":  # both serve it (SGLang has OpenAI routes too)
+            return 200, {"data": [{"id": "m"}]}
+        return 404, {"detail": "Not Found"}
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        if self.fail_first > 0 and path in ("/generate", "/v1/completions"):
+            self.fail_first -= 1
+            return 503, {"error": "warming up"}
+        if self.kind == "sglang":
+            if path == "/generate":
+                if not isinstance(body.get("input_ids"), list):
+                    return 400, {"error": "input_ids required"}
+                n = body["sampling_params"]["max_new_tokens"]
+                toks = _tokens(body["input_ids"], n)
+                return 200, {
+                    "text": "",
+                    "output_ids": toks,
+                    "meta_info": {
+                        "id": "r",
+                        "finish_reason": {"type": "length", "length": n},
+                        "prompt_tokens": len(body["input_ids"]),
+                        "completion_tokens": n,
+                        "output_token_logprobs": [[-0.5, t, None] for t in toks],
+                    },
+                }
+            if path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+                return 200, {}
+            if path == "/update_weights_from_disk":
+                ok = Path(body["model_path"]).is_dir()
+                return (200 if ok else 400), {"success": ok, "message": "", "num_paused_requests": 0}
+        if self.kind == "vllm":
+            if path == "/v1/completions":
+                n = body["max_tokens"]
+                toks = _tokens(body["prompt"], n)
+                return 200, {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "",
+                            "token_ids": toks,
+                            "finish_reason": "length",
+                            "logprobs": {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.25] * n},
+                        }
+                    ]
+                }
+            if path.startswith(("/pause", "/resume")):
+                return 200, {}
+            if path == "/collective_rpc":
+                return 200, {"results": [None]}
+        return 404, {"detail": "Not Found"}
+
+
+@pytest.fixture
+def sglang() -> Iterator[FakeServer]:
+    server = FakeServer("sglang")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def vllm() -> Iterator[FakeServer]:
+    server = FakeServer("vllm")
+    yield server
+    server.close()
+
+
+PARAMS = SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, stop_token_ids=(2,))
+
+
+def test_sglang_generate_sends_token_ids_and_reads_logprobs(sglang: FakeServer) -> None:
+    client = SGLangRollout(endpoints=[sglang.url + "/"])
+    client.wait_ready(5)
+    gens = client.generate([[1, 2, 3], [4, 5]], PARAMS, seed=7)
+    assert [g.tokens for g in gens] == [_tokens([1, 2, 3], 3), _tokens([4, 5], 3)]
+    assert gens[0].logprobs == [-0.5] * 3 and gens[0].finish_reason == "length"
+    bodies = sorted((b for m, p, b in sglang.calls if p == "/generate"), key=lambda b: len(b["input_ids"]))
+    assert bodies[1]["input_ids"] == [1, 2, 3]
+    assert bodies[1]["return_logprob"] is True and bodies[1]["stream"] is False
+    sp = bodies[1]["sampling_params"]
+    assert (sp["max_new_tokens"], sp["temperature"], sp["top_p"], sp["stop_token_ids"]) == (3, 0.7, 0.9, [2])
+
+
+def test_vllm_generate_uses_completions_with_token_ids(vllm: FakeServer) -> None:
+    client = VLLMRollout(endpoints=[vllm.url], model="m")
+    (gen,) = client.generate([[9, 9, 9, 9]], PARAMS, seed=1)
+    assert gen.tokens == _tokens([9, 9, 9, 9], 3) and gen.logprobs == [-0.25] * 3
+    (body,) = [b for m, p, b in vllm.calls if p == "/v1/completions"]
+    assert body["prompt"] == [9, 9, 9, 9] and body["max_tokens"] == 3 and body["model"] == "m"
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True
+
+
+def test_prompts_spread_over_every_server() -> None:
+    servers = [FakeServer("sglang"), FakeServer("sglang")]
+    try:
+        client = SGLangRollout(endpoints=[s.url for s in servers])
+        client.generate([[1], [2], [3], [4]], PARAMS, seed=0)
+        assert [len(s.paths()) for s in servers] == [2, 2]
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_server_errors_are_retried_then_reported() -> None:
+    flaky = FakeServer("sglang", fail_first=2)
+    try:
+        client = SGLangRollout(endpoints=[flaky.url], retries=2, retry_backoff_s=0.01)
+        assert client.generate([[1, 2]], PARAMS, seed=0)[0].tokens == _tokens([1, 2], 3)
+        assert flaky.paths().count("/generate") == 3
+        flaky.fail_first = 5
+        with pytest.raises(RolloutError, match="HTTP 503"):
+            SGLangRollout(endpoints=[flaky.url], retries=1, retry_backoff_s=0.01).generate([[1]], PARAMS, seed=0)
+    finally:
+        flaky.close()
+
+
+def test_client_errors_fail_at_once(vllm: FakeServer) -> None:
+    client = SGLangRollout(endpoints=[vllm.url], retries=3, retry_backoff_s=0.01)  # wrong kind: 404
+    with pytest.raises(RolloutError, match="HTTP 404"):
+        client.generate([[1]], PARAMS, seed=0)
+    assert vllm.paths().count("/generate") == 1
+
+
+def test_unreachable_servers_time_out_with_their_names() -> None:
+    dead = FakeServer("sglang")
+    url = dead.url
+    dead.close()  # nothing listens on that loopback port now
+    with pytest.raises(RolloutError, match=url):
+        SGLangRollout(endpoints=[url]).wait_ready(0.1)
+
+
+def test_detect_kind(sglang: FakeServer, vllm: FakeServer) -> None:
+    assert detect_kind([sglang.url]) == "sglang"
+    assert detect_kind([vllm.url]) == "vllm"
+
+
+def test_sglang_weight_sync_sequence(sglang: FakeServer, tmp_path: Path) -> None:
+    SGLangRollout(endpoints=[sglang.url]).update_weights(str(tmp_path), 3)
+    assert sglang.paths() == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    body = next(b for m, p, b in sglang.calls if p == "/update_weights_from_disk")
+    assert body == {"model_path": str(tmp_path), "abort_all_requests": True, "weight_version": "3"}
+    with pytest.raises(RolloutError, match="update_weights_from_disk"):
+        SGLangRollout(endpoints=[sglang.url], retries=0).update_weights(str(tmp_path / "missing"), 4)
+    assert sglang.paths()[-1] == "/continue_generation"  # generation resumes even after a failed load
+
+
+def test_vllm_weight_sync_sequence(vllm: FakeServer, tmp_path: Path) -> None:
+    VLLMRollout(endpoints=[vllm.url]).update_weights(str(tmp_path), 1)
+    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    body = next(b for m, p, b in vllm.calls if p == "/collective_rpc")
+    assert body == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+
+
+def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_path: Path, monkeypatch: Any) -> None:
+    """The whole loop against the stand-in: rollouts over HTTP, HF weights exported to the
+    checkpoint dir, then pause -> update_weights_from_disk -> continue, once per step."""
+    from test_train import small
+
+    from treetrain.trainer import config as C
+    from treetrain.trainer.loop import Trainer
+
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raw = small(tmp_path)
+    raw["trainer"]["steps"] = 2
+    env = {"TREETRAIN_ROLLOUT_ENDPOINTS": sglang.url}
+    trainer = Trainer(C.from_dict(raw, env=env), log=lambda _: None)
+    assert trainer.client is not None and trainer.client.kind == "sglang"  # detected from /model_info
+    summary = trainer.run()
+    trainer.close()
+    assert len(summary.records) == 2
+    syncs = [p for p in sglang.paths() if p != "/generate"]
+    assert syncs == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"] * 2
+    loads = [b["model_path"] for m, p, b in sglang.calls if p == "/update_weights_from_disk"]
+    assert loads == [str(tmp_path / "weights" / "v00000001"), str(tmp_path / "weights" / "v00000002")]
+    assert (Path(loads[-1]) / "config.json").is_file()
+    assert any(Path(loads[-1]).glob("*.safetensors"))
