@@ -367,9 +367,14 @@ def test_install_operator_with_chart_rbac_then_uninstall_keeps_crds(
             body = {**EXAMPLE, "metadata": {"name": "charted"}}
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
             wait_for("charted Running", lambda: rljob_phase(cluster, namespace, "charted") == "Running")
-            status, text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
-        assert status == 200 and 'rljob_jobs{phase="Running"}' in text
-        assert f'rljob_gpus_requested{{component="rollout",namespace="{namespace}",rljob="charted"}} 8.0' in text
+            gpus = f'rljob_gpus_requested{{component="rollout",namespace="{namespace}",rljob="charted"}} 8.0'
+
+            def scraped() -> str | None:
+                status, text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")
+                return text if status == 200 and gpus in text else None
+
+            text = wait_for("the RLJob's GPUs in /metrics", scraped, timeout=30)
+        assert 'rljob_jobs{phase="Running"}' in text
         lint = lint_metrics(promlint, text)
         assert lint.returncode == 0, lint.stderr
     finally:
