@@ -1,17 +1,17 @@
-"""`flex` and `triton` tree attention against `dense`, on CPU.
+"""`flex` and `triton` tree attention against `dense`.
 
-`triton` runs its real kernels under Triton's interpreter (TRITON_INTERPRET=1, set here
-before the kernels are first imported): forward and gradients, fp32, small shapes.
-`flex` runs FlexAttention's forward (CPU has no FlexAttention backward; `flex` says so).
+On CPU (CI): `triton` runs its real kernels under Triton's interpreter (TRITON_INTERPRET=1,
+set here before the kernels are first imported), forward and gradients, fp32, small
+shapes; `flex` runs FlexAttention's forward (CPU has no FlexAttention backward; `flex`
+says so). With TREETRAIN_TEST_DEVICE=cuda (bench/gpu.sh) the same tests run compiled on
+the GPU, and `flex` is checked with gradients too.
 """
 
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before treetrain imports its Triton kernels
-
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +25,10 @@ from treetrain.logprob import tree_logprobs
 from treetrain.tree import PackConfig, PackedTree, pack
 
 BLOCK = 16  # the smallest block Triton's tl.dot takes
+DEVICE = torch.device(os.environ.get("TREETRAIN_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cpu":
+    # Read when treetrain first imports its Triton kernels (lazily, at the first triton call).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _tree(seqs: list[list[int]], block: int = BLOCK) -> PackedTree:
@@ -34,12 +38,12 @@ def _tree(seqs: list[list[int]], block: int = BLOCK) -> PackedTree:
 
 
 def _meta(tree: PackedTree, backend: str, block: int = BLOCK) -> TreeAttentionMeta:
-    return TreeAttentionMeta.from_tree(tree, backend=backend, block_size=block, device=torch.device("cpu"))
+    return TreeAttentionMeta.from_tree(tree, backend=backend, block_size=block, device=DEVICE)
 
 
 def _qkv(n: int, heads: int = 4, kv_heads: int = 2, dim: int = 16, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(h, n, dim, generator=g) for h in (heads, kv_heads, kv_heads)]
+    return [torch.randn(h, n, dim, generator=g).to(DEVICE) for h in (heads, kv_heads, kv_heads)]
 
 
 def _random_trie(rng: random.Random, n_seqs: int, max_len: int) -> list[list[int]]:
@@ -70,14 +74,21 @@ def _branch_at_every_offset(offsets: range) -> list[list[int]]:
 
 
 def _check_triton(tree: PackedTree, *, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> None:
+    _check_with_gradients(triton_attention, "triton", tree, heads=heads, kv_heads=kv_heads, seed=seed)
+    if DEVICE.type == "cuda":
+        _check_with_gradients(flex_attention, "flex", tree, heads=heads, kv_heads=kv_heads, seed=seed)
+
+
+def _check_with_gradients(fn: Any, backend: str, tree: PackedTree, *, heads: int, kv_heads: int, seed: int) -> None:
     q, k, v = _qkv(tree.padded_len, heads, kv_heads, seed=seed)
     scale = q.shape[-1] ** -0.5
-    weights = torch.randn(heads, tree.padded_len, q.shape[-1], generator=torch.Generator().manual_seed(seed + 1))
+    g = torch.Generator().manual_seed(seed + 1)
+    weights = torch.randn(heads, tree.padded_len, q.shape[-1], generator=g).to(DEVICE)
     qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
     dense = dense_attention(qd, kd, vd, _meta(tree, "dense"), scale)
     grads_dense = torch.autograd.grad((dense * weights).sum(), (qd, kd, vd))
     qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
-    fused = triton_attention(qt, kt, vt, _meta(tree, "triton"), scale)
+    fused = fn(qt, kt, vt, _meta(tree, backend), scale)
     grads_fused = torch.autograd.grad((fused * weights).sum(), (qt, kt, vt))
     torch.testing.assert_close(fused, dense, atol=1e-5, rtol=1e-5)
     for name, gf, gd in zip("qkv", grads_fused, grads_dense, strict=True):
@@ -107,7 +118,7 @@ def test_triton_branch_at_every_offset() -> None:
 
 def test_tree_logprobs_with_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", str(BLOCK))
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3").to(DEVICE)
     seqs = _random_trie(random.Random(7), 6, 14)
     dense = tree_logprobs(model, seqs, max_tokens_per_mb=128, attention="dense")
     fused = tree_logprobs(model, seqs, max_tokens_per_mb=128, attention="triton")
@@ -146,9 +157,10 @@ def test_flex_branch_at_every_offset() -> None:
 
 def test_flex_refuses_gradients_on_cpu() -> None:
     tree = _tree([[1, 2, 3], [1, 2, 4]])
-    q, k, v = (t.requires_grad_() for t in _qkv(tree.padded_len))
+    q, k, v = (t.cpu().requires_grad_() for t in _qkv(tree.padded_len))
+    meta = TreeAttentionMeta.from_tree(tree, backend="flex", block_size=BLOCK, device=torch.device("cpu"))
     with pytest.raises(FlexUnavailableError, match=r"no backward on cpu.*attention='sparse'"):
-        flex_attention(q, k, v, _meta(tree, "flex"), 0.25)
+        flex_attention(q, k, v, meta, 0.25)
 
 
 def test_flex_block_mask_is_built_from_block_metadata() -> None:
@@ -198,7 +210,7 @@ def test_explicit_choices_that_cannot_work_fail_early(monkeypatch: pytest.Monkey
     with pytest.raises(BackendUnavailableError, match="'flex' has no backward on cpu"):
         resolve("flex", cpu, needs_grad=True)
     assert resolve("flex", cpu) == "flex"  # forward-only use is fine
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailableError, match=r"needs a CUDA GPU.*TRITON_INTERPRET=1"):
         resolve("triton", cpu)
     with pytest.raises(TritonUnavailableError):
