@@ -64,16 +64,19 @@ class _GatherLogprobs(torch.autograd.Function):
             rows_ent_N.index_add_(0, pred_M, grad_entropy_M.float())
         grad_NV = torch.empty_like(logits_NV)
         c = ctx.chunk_size
+        in_place = grad_NV.dtype == torch.float32  # else work in an fp32 chunk, then cast
         for r0 in range(0, n, c):
             x_CV = logits_NV[r0 : r0 + c].float()
-            p_CV = torch.sub(x_CV, lse_N[r0 : r0 + c, None]).exp_()
+            out_CV = grad_NV[r0 : r0 + c] if in_place else None
+            p_CV = torch.sub(x_CV, lse_N[r0 : r0 + c, None], out=out_CV).exp_()
             if use_entropy:
                 # d entropy / d logit_v = -p_v (logit_v - E_p[logit])
                 g_CV = (x_CV - mean_N[r0 : r0 + c, None]).mul_(rows_ent_N[r0 : r0 + c, None])
                 g_CV.add_(rows_logp_N[r0 : r0 + c, None]).mul_(p_CV).neg_()
             else:
                 g_CV = p_CV.mul_(rows_logp_N[r0 : r0 + c, None].neg())
-            grad_NV[r0 : r0 + c] = g_CV
+            if g_CV is not out_CV:
+                grad_NV[r0 : r0 + c] = g_CV
         grad_NV.index_put_((pred_M, label_M), grad_logp_M.to(grad_NV.dtype), accumulate=True)
         return grad_NV, None, None, None, None
 
