@@ -172,7 +172,11 @@ def main() -> int:
     for rljob_name, variant in (("agent-demo", False), ("grpo-demo", True)):
         port = free_port()
         log = (workdir / f"{rljob_name}.log").open("w")
-        procs.append(subprocess.Popen(trainer_argv(variant, port, workdir), stdout=log, stderr=subprocess.STDOUT))
+        # One thread each: two trainers, the operator and the control plane share the machine.
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen(trainer_argv(variant, port, workdir), stdout=log, stderr=subprocess.STDOUT, env=env)
+        )
         pod = f"{rljob_name}-trainer-0"
         labels = {"namespace": NAMESPACE, "rljob": rljob_name, "component": "actor", "pod": pod}
         targets.append((f"http://127.0.0.1:{port}/metrics", labels))

@@ -5,7 +5,7 @@
 
 Grafana is not available here, so this draws each dashboard itself: the panels, titles, units
 and layout (gridPos) come from the dashboard JSON the chart ships, and each panel's series are
-its queries computed in Python from the scraped samples (rates over 30 s, histogram quantiles
+its queries computed in Python from the scraped samples (rates over 60 s, histogram quantiles
 by linear interpolation inside the bucket, as Prometheus does). Writes
 docs/img/dashboard-training.png and docs/img/dashboard-operator.png.
 """
@@ -24,10 +24,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.patches import Rectangle
 
 ROOT = Path(__file__).resolve().parents[2]
 BOARDS = ROOT / "charts" / "rljob-operator" / "dashboards"
-WINDOW = 30.0  # seconds, the rate window
+WINDOW = 60.0  # seconds, the rate window
 Key = tuple[str, tuple[tuple[str, str], ...]]
 Series = list[tuple[str, list[float], list[float]]]  # (legend, minutes, values)
 BG, PANEL, TEXT, GRID = "#111217", "#181b1f", "#ccccdc", "#2c3235"
@@ -223,35 +224,32 @@ def draw(board: dict[str, Any], panels: dict[str, Callable[[], Series | str]], o
     )
     fig.text(0.99, 1 - 0.35 / (rows * unit_h + 1.0), note, color="#8e8e8e", fontsize=8.5, ha="right", va="center")
     scale_y = top / rows
+    fig_w, fig_h = fig.get_size_inches()
     for panel in board["panels"]:
         g = panel["gridPos"]
-        left, width = g["x"] / 24 + 0.004, g["w"] / 24 - 0.008
-        bottom, height = top - (g["y"] + g["h"]) * scale_y + 0.004, g["h"] * scale_y - 0.008
+        left, width = g["x"] / 24 + 0.003, g["w"] / 24 - 0.006
+        bottom, height = top - (g["y"] + g["h"]) * scale_y + 0.003, g["h"] * scale_y - 0.006
         if panel["type"] == "row":
             fig.text(left, bottom + height / 2, panel["title"], color=TEXT, fontsize=11, weight="bold", va="center")
             continue
-        ax = fig.add_axes((left, bottom, width, height), facecolor=PANEL)
-        for spine in ax.spines.values():
-            spine.set_color(GRID)
-        ax.set_title(panel["title"], color=TEXT, fontsize=10, loc="left", pad=4)
+        fig.add_artist(
+            Rectangle(
+                (left, bottom), width, height, transform=fig.transFigure, facecolor=PANEL, edgecolor=GRID, zorder=-1
+            )
+        )
+        fig.text(left + 0.1 / fig_w, bottom + height - 0.06 / fig_h, panel["title"], color=TEXT, fontsize=10, va="top")
         unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit", "")
         result = panels[panel["title"]]()
         if isinstance(result, str):
-            ax.set_xticks([])
-            ax.set_yticks([])
             color = "#8e8e8e" if result == "No data" else "#73bf69"
-            ax.text(
-                0.5,
-                0.42,
-                result,
-                color=color,
-                fontsize=22,
-                weight="bold",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-            )
+            fig.text(left + width / 2, bottom + height * 0.42, result, color=color, fontsize=22, weight="bold",
+                     ha="center", va="center")  # fmt: skip
             continue
+        # Inside the panel: room for the title above and the tick labels left and below.
+        inset = (left + 0.62 / fig_w, bottom + 0.42 / fig_h, width - 0.75 / fig_w, height - 0.78 / fig_h)
+        ax = fig.add_axes(inset, facecolor=PANEL)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
         plot(ax, panel, result, unit)
     fig.savefig(out, dpi=90, facecolor=BG)
     plt.close(fig)
@@ -261,7 +259,7 @@ def draw(board: dict[str, Any], panels: dict[str, Callable[[], Series | str]], o
 def plot(ax: Axes, panel: dict[str, Any], result: Series, unit: str) -> None:
     ax.tick_params(colors="#8e8e8e", labelsize=7.5)
     ax.grid(color=GRID, linewidth=0.6)
-    ax.set_xlabel("minutes", color="#8e8e8e", fontsize=7.5, labelpad=1)
+    ax.set_xlabel("minutes into the run", color="#8e8e8e", fontsize=7.5, labelpad=1)
     result = [r for r in result if r[1]]
     if not result:
         ax.text(0.5, 0.5, "No data", color="#8e8e8e", fontsize=14, ha="center", va="center", transform=ax.transAxes)
