@@ -103,7 +103,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Train tokens/s",
-                "Sum over the selected RLJobs' trainer ranks of treetrain_train_tokens_per_second.",
+                "Original (unpacked) tokens trained per second in the last step, summed over the selected RLJobs.",
                 "short",
                 query(f"sum(treetrain_train_tokens_per_second{{{SEL}}})", "tokens/s"),
             )
@@ -111,7 +111,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             stat_panel(
                 "Steps",
-                "Optimizer steps done (the highest count among the ranks of each RLJob, summed).",
+                "Training steps done, summed over the selected RLJobs.",
                 "short",
                 query(f"sum(max by ({BY}) (treetrain_steps_total{{{SEL}}}))", "steps"),
             )
@@ -128,7 +128,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             series(
                 "Train tokens/s per RLJob",
-                "Tokens trained per second, summed over each RLJob's trainer ranks.",
+                "Original (unpacked) tokens trained per second in each RLJob's last step.",
                 "short",
                 [query(f"sum by ({BY}) (treetrain_train_tokens_per_second{{{SEL}}})", "{{namespace}}/{{rljob}}")],
             )
@@ -183,7 +183,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             series(
                 "Steps per minute",
-                "Rate of treetrain_steps_total (one rank per RLJob counts).",
+                "Training steps per minute (rate of treetrain_steps_total).",
                 "short",
                 [query(f"max by ({BY}) (rate(treetrain_steps_total{{{SEL}}}[$__rate_interval])) * 60", "{{rljob}}")],
             )
@@ -191,7 +191,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             series(
                 "Loss",
-                "Training loss of the last step (mean over ranks).",
+                "Policy loss of the last step.",
                 "short",
                 [query(f"avg by ({BY}) (treetrain_loss{{{SEL}}})", "{{namespace}}/{{rljob}}")],
             )
@@ -199,7 +199,7 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             series(
                 "Reward",
-                "Mean reward of the last step's rollouts (mean over ranks).",
+                "Mean reward of the last step's rollouts.",
                 "short",
                 [query(f"avg by ({BY}) (treetrain_reward{{{SEL}}})", "{{namespace}}/{{rljob}}")],
             )

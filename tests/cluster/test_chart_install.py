@@ -364,7 +364,9 @@ def test_install_operator_with_chart_rbac_then_uninstall_keeps_crds(
 
         (container,) = pod["containers"]
         with operator_process(kubeconfig, container["args"]) as (metrics_port, _):
-            body = {**EXAMPLE, "metadata": {"name": "charted"}}
+            # Two trainer pods (16 ranks on 8-GPU nodes) and two rollout pods.
+            spec = {**EXAMPLE["spec"], "actor": {**EXAMPLE["spec"]["actor"], "backend": "fsdp:d16"}}
+            body = {**EXAMPLE, "metadata": {"name": "charted"}, "spec": spec}
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
             wait_for("charted Running", lambda: rljob_phase(cluster, namespace, "charted") == "Running")
             gpus = f'rljob_gpus_requested{{component="rollout",namespace="{namespace}",rljob="charted"}} 8.0'
@@ -377,6 +379,24 @@ def test_install_operator_with_chart_rbac_then_uninstall_keeps_crds(
         assert 'rljob_jobs{phase="Running"}' in text
         lint = lint_metrics(promlint, text)
         assert lint.returncode == 0, lint.stderr
+
+        # The chart's PodMonitor selects, among the RLJob's real pods, only the trainer's pod 0
+        # (whose rank 0 serves the metrics): not the other trainer pod, not the rollout servers.
+        rendered = helm(cluster, "template", release, str(CHART), "-n", RELEASE_NS, "--set", "podMonitor.enabled=true",
+                        "--show-only", "templates/podmonitor.yaml").stdout  # fmt: skip
+        selector = yaml.safe_load(rendered)["spec"]["selector"]
+        terms = [f"{k}={v}" for k, v in selector["matchLabels"].items()]
+        terms += [f"{e['key']} notin ({','.join(e['values'])})" for e in selector["matchExpressions"]]
+        core = client.CoreV1Api(cluster.api)
+        everything = core.list_namespaced_pod(namespace, label_selector="treetrain.dev/rljob=charted").items
+        assert len(everything) == 4, [p.metadata.name for p in everything]
+        chosen = core.list_namespaced_pod(namespace, label_selector=",".join(terms)).items
+        assert [p.metadata.name for p in chosen] == [
+            p.metadata.name
+            for p in everything
+            if p.metadata.labels["treetrain.dev/component"] == "actor"
+            and p.metadata.annotations["batch.kubernetes.io/job-completion-index"] == "0"
+        ]
     finally:
         helm(cluster, "uninstall", release, "-n", RELEASE_NS, "--wait", "--timeout", "60s")
 

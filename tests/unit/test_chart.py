@@ -227,7 +227,10 @@ def test_pod_monitor_selects_trainer_pods_not_rollout_pods(render: Render) -> No
     planned = plan(EXAMPLE).objects
     templates = {o["kind"]: o["spec"]["template"] for o in planned if o["kind"] in ("Job", "StatefulSet")}
     trainer, rollout = templates["Job"], templates["StatefulSet"]
-    assert _matches(monitor["spec"]["selector"], trainer["metadata"]["labels"])
+    # The Job controller adds the completion index label to each pod; rank 0 is in pod 0.
+    index = "batch.kubernetes.io/job-completion-index"
+    assert _matches(monitor["spec"]["selector"], {**trainer["metadata"]["labels"], index: "0"})
+    assert not _matches(monitor["spec"]["selector"], {**trainer["metadata"]["labels"], index: "1"})
     assert not _matches(monitor["spec"]["selector"], rollout["metadata"]["labels"])
     # The endpoint's port name is the trainer container's metrics port.
     trainer_ports = {p["name"]: p["containerPort"] for p in trainer["spec"]["containers"][0]["ports"]}
