@@ -35,6 +35,8 @@ test: lint cluster-bin
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
+# The main job: the embedded default trainer (tiny model, built-in multi-turn task, GRPO with
+# tree packing, metrics on :9400), on the CPU in well under 5 minutes.
 run: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.'
-	$(BIN)/treetrain alloc sglang:d2t4 fsdp:d4t2 'megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)'
+	$(BIN)/pip install --quiet -e '.[train]'
+	$(BIN)/treetrain train

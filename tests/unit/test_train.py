@@ -33,6 +33,7 @@ def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
             "groupSize": 2,
             "optimizer": {"lr": 1e-2},
             "metrics": {"enabled": False},
+            "threads": 1,
             **trainer,
         },
     }
@@ -250,3 +251,15 @@ def test_the_embedded_default_runs_end_to_end() -> None:
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
     assert any("speedup tree vs flat on the same 2 batches" in line for line in lines)
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("trainer-*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(path: Path) -> None:
+    cfg = C.load(path, env={})
+    assert cfg.trainer.steps >= 1
+
+
+def test_the_embedded_default_is_a_valid_config() -> None:
+    cfg = C.from_dict(C.embedded_default(), env={})
+    assert cfg.model.path == "builtin:tiny-llama" and cfg.actor.tree_training.enabled
+    assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400

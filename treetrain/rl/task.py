@@ -53,7 +53,7 @@ class ParityEpisode:
 
     def _user_turn(self) -> list[int]:
         words = [self.rng.randrange(FIRST_WORD, self.task.vocab_size) for _ in range(self.task.user_tokens)]
-        self._want = self.rng.randrange(2)
+        self._want = 0 if self.rng.random() < self.task.even_share else 1
         return [USER, *words, EVEN if self._want == 0 else ODD, ASSISTANT]
 
     def prompt(self) -> list[int]:
@@ -72,16 +72,21 @@ class ParityTask:
     """Built-in: each user turn ends with EVEN or ODD; the reward is the fraction of the
     response's tokens with that parity. A fixed system prompt is shared by every episode,
     each episode has ``turns`` turns, and every turn is one sample: shaped like agent traces,
-    so tree packing has prefixes to share. A random policy scores about 0.5."""
+    so tree packing has prefixes to share. A random policy scores about 0.5; one that learns
+    how often EVEN comes (``even_share``) scores ``max(even_share, 1 - even_share)``; one that
+    reads the instruction scores 1."""
 
     vocab_size: int = 512
     turns: int = 4
     user_tokens: int = 12
     system_tokens: int = 96
     max_new_tokens: int = 16
+    even_share: float = 0.5  # how often a turn asks for EVEN (above 0.5 a bias alone scores above 0.5)
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.even_share <= 1.0:
+            raise TaskError(f"taskArgs.even_share must be in [0, 1], got {self.even_share!r}")
         for name in ("turns", "user_tokens", "system_tokens", "max_new_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -116,8 +116,13 @@ class TrainerSettings:
     # After the last step, time the last batches trained tree vs flat and print the speedup.
     compare_flat: bool = False
     compare_batches: int = 2
+    # torch intra-op threads; 0 keeps torch's default. On a small shared CPU, 1 avoids the
+    # collapse of OpenMP's spin-waiting threads when other processes take the cores.
+    threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
         for name in ("steps", "groups_per_step", "group_size", "compare_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_camel(name)} must be >= 1, got {getattr(self, name)}")
@@ -343,13 +348,14 @@ def embedded_default() -> dict[str, Any]:
             "steps": 8,
             "seed": 0,
             "task": "builtin:parity",
-            "taskArgs": {"turns": 4, "user_tokens": 12, "system_tokens": 96, "max_new_tokens": 16},
+            "taskArgs": {"turns": 4, "userTokens": 12, "systemTokens": 96, "maxNewTokens": 16, "evenShare": 0.8},
             "groupsPerStep": 8,
             "groupSize": 4,
             "algorithm": "grpo",
-            "optimizer": {"lr": 2e-3, "maxGradNorm": 1.0},
+            "optimizer": {"lr": 1e-2, "maxGradNorm": 1.0},
             "metrics": {"port": 9400},
             "compareFlat": True,
             "compareBatches": 2,
+            "threads": 1,
         },
     }

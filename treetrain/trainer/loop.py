@@ -99,6 +99,9 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.resume_required = resume
+        self._threads = torch.get_num_threads()
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
         self.layout: ParallelLayout = init_distributed(cfg.actor.backend)
         self.main = self.layout.is_main
         self._log = log or (lambda line: print(line, flush=True))
@@ -397,6 +400,7 @@ class Trainer:
         self.metrics.close()
         if self.client is not None:
             self.client.close()
+        torch.set_num_threads(self._threads)
 
 
 def _sync() -> None:
