@@ -7,7 +7,9 @@ run it), one run packs the batch twice with the same packer and the same ``spars
 attention backend: as trees (``share_prefixes=True``) and flat (``share_prefixes=False``:
 every sequence alone, block-diagonal causal). A step is, per micro-batch: model forward,
 chunked log-prob gather, loss = -sum(logp) / tokens, backward. Packing is not timed (see
-bench/packing.py). Burn-in one step, then the best of ``--repeat`` measured steps.
+bench/packing.py). Burn-in one step, then the best of ``--repeat`` measured steps, both in
+wall time and in this process's CPU time (one torch thread: CPU time is the compute, without
+the time other jobs on a shared machine took the core).
 
 Printed next to the measured speedup (flat time / tree time) are two ideals:
 ``1 / tree_token_ratio`` and the FLOPs ratio, flat over tree, where
@@ -72,14 +74,16 @@ def flops(model: LlamaForCausalLM, batch: PackedBatch) -> float:
     return 6.0 * per_token * tokens + 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * pairs
 
 
-def timed_step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int, repeat: int) -> float:
+def timed_step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int, repeat: int) -> tuple[float, float]:
+    """Best wall time and best process CPU time of ``repeat`` steps after a burn-in step."""
     step(model, batch, block_size)  # burn-in
-    samples = []
+    walls, cpus = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()  # CPU: every op has finished when step() returns
+        t0, c0 = time.perf_counter(), time.process_time()  # CPU: every op has finished when step() returns
         step(model, batch, block_size)
-        samples.append(time.perf_counter() - t0)
-    return min(samples)  # best of: the least disturbed by other load on a shared machine
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return min(walls), min(cpus)
 
 
 def main() -> None:
@@ -102,7 +106,8 @@ def main() -> None:
     )
     header = (
         f"{'workload':<15} {'orig tok':>8} {'tree tok':>8} {'ratio':>6} {'mb flat/tree':>12} "
-        f"{'flat s':>7} {'tree s':>7} {'speedup':>7} {'1/ratio':>7} {'FLOPs x':>7} {'vs FLOPs':>8}"
+        f"{'flat s':>7} {'tree s':>7} {'speedup':>7} {'cpu-s flat':>10} {'cpu-s tree':>10} {'cpu speedup':>11} "
+        f"{'1/ratio':>7} {'FLOPs x':>7} {'vs FLOPs (wall, cpu)':>20}"
     )
     print(header)
     chosen = workloads(args.scale)
@@ -111,14 +116,15 @@ def main() -> None:
         config = dict(max_tokens_per_mb=args.max_tokens, block_size=args.block_size)
         tree = pack(seqs, PackConfig(**config))
         flat = pack(seqs, PackConfig(**config, share_prefixes=False))
-        t_flat = timed_step(model, flat, args.block_size, args.repeat)
-        t_tree = timed_step(model, tree, args.block_size, args.repeat)
-        speedup = t_flat / t_tree
+        t_flat, c_flat = timed_step(model, flat, args.block_size, args.repeat)
+        t_tree, c_tree = timed_step(model, tree, args.block_size, args.repeat)
         ideal_flops = flops(model, flat) / flops(model, tree)
         print(
             f"{name:<15} {tree.stats.original_tokens:>8} {tree.stats.tree_tokens:>8} {tree.stats.tree_token_ratio:>6.3f} "
-            f"{flat.stats.num_trees:>5}/{tree.stats.num_trees:<6} {t_flat:>7.2f} {t_tree:>7.2f} {speedup:>6.2f}x "
-            f"{1 / tree.stats.tree_token_ratio:>6.2f}x {ideal_flops:>6.2f}x {speedup / ideal_flops:>8.2f}",
+            f"{flat.stats.num_trees:>5}/{tree.stats.num_trees:<6} {t_flat:>7.2f} {t_tree:>7.2f} {t_flat / t_tree:>6.2f}x "
+            f"{c_flat:>10.2f} {c_tree:>10.2f} {c_flat / c_tree:>10.2f}x "
+            f"{1 / tree.stats.tree_token_ratio:>6.2f}x {ideal_flops:>6.2f}x "
+            f"{t_flat / t_tree / ideal_flops:>11.2f}, {c_flat / c_tree / ideal_flops:.2f}",
             flush=True,
         )
 
