@@ -103,6 +103,7 @@ def test_the_environment_overrides_the_config() -> None:
         ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
         ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),
         ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE=critic"),
+        ({"rollout": {"endpoints": ["http://127.0.0.1:9"]}}, {}, "checkpoint.dir: remote rollout syncs weights"),
     ],
 )
 def test_bad_configs_exit_2_with_the_path(
@@ -161,6 +162,14 @@ def test_a_layout_that_needs_more_processes_exits_2(tmp_path: Path, capsys: pyte
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "needs 2 processes but 1 were started" in err and "Traceback" not in err
+
+
+def test_a_sequence_longer_than_a_micro_batch_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_merge(small(), {"actor": {"treeTraining": {"maxTokensPerMicrobatch": 32}}})))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "more than max_tokens_per_mb=32" in err and "Traceback" not in err
 
 
 def test_resume_without_a_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

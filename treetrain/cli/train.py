@@ -47,9 +47,14 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from treetrain.alloc import AllocationError
+        from treetrain.attention import UnknownBackendError
         from treetrain.engines.base import EngineConfigError
+        from treetrain.rl.rollout import RolloutError
+        from treetrain.rl.task import TaskError
         from treetrain.trainer import config as config_mod
         from treetrain.trainer.loop import run_training
+        from treetrain.tree import PackingError
     except ImportError as err:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
 
@@ -71,8 +76,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         run_training(cfg, resume=args.resume)
-    except (EngineConfigError, FileNotFoundError, ValueError) as err:
+    except (EngineConfigError, TaskError, PackingError, UnknownBackendError, AllocationError, FileNotFoundError) as err:
         return _fail(str(err))
+    except RolloutError as err:
+        # The servers, not the config: exit 1, so a restarted pod tries again.
+        print(f"treetrain train: rollout failed: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

@@ -165,6 +165,13 @@ class TrainConfig:
                     f"{role}.backend: a colocated {role} shares the actor's layout ({self.actor.backend}), "
                     f"got {settings.backend!r}"
                 )
+        remote = self.trainer.rollout.kind in ("sglang", "vllm") or (
+            self.trainer.rollout.kind == "auto" and bool(self.rollout.endpoints)
+        )
+        if remote and not self.checkpoint.dir:
+            problems.append(
+                "checkpoint.dir: remote rollout syncs weights through a directory the servers also mount; set it"
+            )
         if self.trainer.loss.kl_coef > 0 and self.ref is None:
             problems.append("trainer.loss.klCoef > 0 needs a reference model: add `ref: {}`")
         return problems

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treetrain.engines.base import TrainBatch
+from treetrain.engines.base import EngineConfigError, TrainBatch
 from treetrain.engines.fsdp import FSDPEngine, hf_config
 from treetrain.engines.parallel import ParallelLayout, init_distributed
 from treetrain.metrics import StepFigures, TrainerMetrics
@@ -109,7 +109,9 @@ class Trainer:
         self.task: Task = load_task(t.task, t.task_args)
         vocab = hf_config(cfg.model).vocab_size
         if self.task.vocab_size > vocab:
-            raise ValueError(f"task {t.task} uses token ids up to {self.task.vocab_size - 1}, the model has {vocab}")
+            raise EngineConfigError(
+                f"task {t.task} uses token ids up to {self.task.vocab_size - 1}, but the model's vocabulary has {vocab}"
+            )
         tree = cfg.actor.tree_training
         self.actor = FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="actor")
         self.ref = FSDPEngine(cfg.model, self.layout, tree, None, role="ref") if cfg.ref is not None else None
@@ -332,7 +334,7 @@ class Trainer:
     def _sync_weights(self, version: int) -> None:
         root = self._ckpt_root()
         if root is None:
-            raise ValueError("remote rollout needs checkpoint.dir (a path the rollout servers also mount)")
+            raise EngineConfigError("remote rollout needs checkpoint.dir (a path the rollout servers also mount)")
         path = root / "weights" / f"v{version:08d}"
         self.actor.export_hf(path)
         if self.main:
