@@ -165,7 +165,7 @@ def _apply_tp(model: nn.Module, layout: ParallelLayout) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     assert layout.mesh is not None
-    config = model.config
+    config: Any = model.config
     tp = layout.tp
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     if heads % tp or kv_heads % tp or config.intermediate_size % tp:
@@ -342,7 +342,7 @@ class FSDPEngine(Engine):
             run = self._run(tree_mb, entropy=False)
             flat = run.out.values if self.role == "critic" else run.out.logprobs
             assert flat is not None
-            parts = torch.split(flat.float().cpu(), run.tensors.split_sizes)
+            parts = torch.split(flat.float().cpu(), list(run.tensors.split_sizes))
             mine.update(zip(tree_mb.seq_ids, parts, strict=True))
         if self.layout.dp > 1:
             assert self.layout.mesh is not None

@@ -122,9 +122,10 @@ def load_task(spec: str, args: dict[str, Any]) -> Task:
             module = importlib.import_module(module_name)
         except ImportError as err:
             raise TaskError(f"cannot import task module {module_name!r}: {err}") from None
-        factory = getattr(module, attr, None)
-        if not callable(factory):
+        found = getattr(module, attr, None)
+        if not callable(found):
             raise TaskError(f"{module_name!r} has no callable {attr!r}")
+        factory = found
     try:
         task = factory(**args)
     except TypeError as err:

@@ -221,7 +221,7 @@ def build(cls: Any, raw: Any, path: str, problems: list[str]) -> Any:
     names = {ALIASES.get(k, k) for k in raw}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        name = ALIASES.get(key, key)
+        name = str(ALIASES.get(key, key))
         if name not in fields:
             snake = "".join("_" + c.lower() if c.isupper() else c for c in name)
             name = snake
