@@ -272,3 +272,37 @@ def test_the_embedded_default_is_a_valid_config() -> None:
     cfg = C.from_dict(C.embedded_default(), env={})
     assert cfg.model.path == "builtin:tiny-llama" and cfg.actor.tree_training.enabled
     assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
+    """What a trainer pod runs: torchrun, 2 CPU ranks (fsdp:d2, gloo), local rollout sampled by the
+    sharded model, a sharded checkpoint, then a restarted gang that resumes from it."""
+    import socket
+
+    raw = _merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 2}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    env["TREETRAIN_BLOCK_SIZE"] = "16"
+
+    def torchrun(*extra: str, restart: int = 0) -> subprocess.CompletedProcess[str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+        cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path), *extra]
+        run_env = {**env, "TREETRAIN_RESTART": str(restart)}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=run_env, check=False)
+
+    first = torchrun()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [line.split("|")[0].strip() for line in first.stdout.splitlines() if line.startswith("step ")] == [
+        "step 1/2",
+        "step 2/2",
+    ]  # one line per step: only rank 0 prints
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
+    second = torchrun("--steps", "3", restart=1)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "step 3/3" in second.stdout
+    assert "step 1/3" not in second.stdout
