@@ -319,3 +319,23 @@ def test_schema_accepts_documented_values(render: Render) -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert render(**values)
     assert render(**ALL_ON, watchNamespaces=["a", "b"], resources={"requests": {"cpu": "250m", "memory": "1Gi"}})
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        # `resources` is one Kubernetes object, documented as a whole.
+        nested = isinstance(value, dict) and value and key != "resources"
+        out += _leaves(value, f"{path}.") if nested else [path]
+    return out
+
+
+def test_install_guide_documents_every_value() -> None:
+    guide = (ROOT / "docs" / "install.md").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(values) <= set(schema["properties"])
+    # Each value's last name appears in the guide's table (`image.tag` as `image.tag` or `.tag`).
+    missing = [p for p in _leaves(values) if p.rsplit(".", 1)[-1] not in guide]
+    assert not missing, f"docs/install.md does not mention {missing}"
