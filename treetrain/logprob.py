@@ -169,7 +169,8 @@ def tree_logprobs_entropy(
     if not sequences:
         return [], []
     device = _model_device(model)
-    backend = resolve(attention, device)
+    needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    backend = resolve(attention, device, needs_grad=needs_grad)
     blocks = block_size()
     batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=blocks))
     use_tree_attention(model)
