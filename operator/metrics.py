@@ -38,6 +38,7 @@ class Metrics:
     def observe(self, namespace: str, name: str, phase: str | None, gpus: dict[str, int]) -> None:
         """Record one RLJob's phase and GPUs; ``phase=None`` forgets a deleted RLJob."""
         key = (namespace, name)
+        self.restarts.labels(namespace=namespace)  # exists at 0 from the start, so increase() sees restart 1
         if phase is None:
             self._phases.pop(key, None)
         else:
