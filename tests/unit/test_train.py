@@ -255,7 +255,7 @@ def test_the_embedded_default_runs_end_to_end() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) == 8 and steps[-1].startswith("step 8/8")
+    assert len(steps) == 20 and steps[-1].startswith("step 20/20")
     assert all("tree_token_ratio" in s and "tokens/s" in s for s in steps)
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
     assert any("speedup tree vs flat on the same 2 batches" in line for line in lines)

@@ -352,7 +352,7 @@ def embedded_default() -> dict[str, Any]:
             "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048, "attention": "auto"},
         },
         "trainer": {
-            "steps": 8,
+            "steps": 20,
             "seed": 0,
             "task": "builtin:parity",
             "taskArgs": {"turns": 4, "userTokens": 12, "systemTokens": 96, "maxNewTokens": 16, "evenShare": 0.8},

@@ -363,10 +363,11 @@ class Trainer:
             interval = self.cfg.checkpoint.interval_steps
             if self._ckpt_root() is not None and (rec.step % interval == 0 or rec.step == t.steps):
                 self.save(rec.step)
+        seconds = time.perf_counter() - begin  # the training steps only, not the comparison below
         comparison = self.compare() if t.compare_flat and self.batches else None
         return Summary(
             records=records,
-            seconds=time.perf_counter() - begin,
+            seconds=seconds,
             start_step=start,
             comparison=comparison,
             metrics_port=self.metrics_port,
