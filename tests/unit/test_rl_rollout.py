@@ -28,8 +28,9 @@ def _tokens(prompt: list[int], n: int) -> list[int]:
 class FakeServer:
     """A stand-in rollout server of one ``kind`` (sglang or vllm) on 127.0.0.1."""
 
-    def __init__(self, kind: str, *, fail_first: int = 0) -> None:
+    def __init__(self, kind: str, *, fail_first: int = 0, pause_routes: bool = True) -> None:
         self.kind = kind
+        self.pause_routes = pause_routes
         self.calls: list[tuple[str, str, Any]] = []
         self.fail_first = fail_first
         fake = self
@@ -81,6 +82,8 @@ class FakeServer:
         return 404, {"detail": "Not Found"}
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
+        if not self.pause_routes and path.startswith(("/pause", "/resume", "/continue_generation")):
+            return 404, {"detail": "Not Found"}
         if self.fail_first > 0 and path in ("/generate", "/v1/completions"):
             self.fail_first -= 1
             return 503, {"error": "warming up"}
@@ -226,6 +229,18 @@ def test_vllm_weight_sync_sequence(vllm: FakeServer, tmp_path: Path) -> None:
     assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
     body = next(b for m, p, b in vllm.calls if p == "/collective_rpc")
     assert body == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_servers_without_pause_routes_still_reload(kind: str, tmp_path: Path) -> None:
+    old = FakeServer(kind, pause_routes=False)
+    try:
+        client = SGLangRollout(endpoints=[old.url]) if kind == "sglang" else VLLMRollout(endpoints=[old.url])
+        client.update_weights(str(tmp_path), 1)
+        reload = "/update_weights_from_disk" if kind == "sglang" else "/collective_rpc"
+        assert old.paths()[-1] == reload and len(old.paths()) == 2  # the pause was tried, no resume
+    finally:
+        old.close()
 
 
 def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_path: Path, monkeypatch: Any) -> None:

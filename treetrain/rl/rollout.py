@@ -198,6 +198,16 @@ class HTTPRollout(RolloutClient):
                 time.sleep(self.retry_backoff_s * 2**attempt)
         raise RolloutError(f"{method} {endpoint}{path} failed: {last}")
 
+    def optional(self, endpoint: str, method: str, path: str, body: dict[str, Any] | None) -> bool:
+        """Like :meth:`call` for a route older servers lack: False when it answers 404."""
+        try:
+            self.call(endpoint, method, path, body)
+        except RolloutError as err:
+            if "HTTP 404" in str(err):
+                return False
+            raise
+        return True
+
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         pending = list(self.endpoints)
@@ -270,7 +280,8 @@ class SGLangRollout(HTTPRollout):
     def update_weights(self, path: str, version: int) -> None:
         # Pause (aborting in-flight requests), load from disk, continue: AReaL's disk-mode order.
         def one(ep: str) -> None:
-            self.call(ep, "POST", "/pause_generation", {"mode": "abort"})
+            # Older servers have no pause route: their weight update then waits for in-flight requests.
+            paused = self.optional(ep, "POST", "/pause_generation", {"mode": "abort"})
             try:
                 res = self.call(
                     ep,
@@ -281,7 +292,8 @@ class SGLangRollout(HTTPRollout):
                 if isinstance(res, dict) and res.get("success") is False:
                     raise RolloutError(f"{ep} could not load weights from {path}: {res.get('message')}")
             finally:
-                self.call(ep, "POST", "/continue_generation", {})
+                if paused:
+                    self.call(ep, "POST", "/continue_generation", {})
 
         self._each(one)
 
@@ -329,7 +341,8 @@ class VLLMRollout(HTTPRollout):
     def update_weights(self, path: str, version: int) -> None:
         # vLLM has no disk-reload route; its dev-mode collective_rpc calls the workers' reload_weights.
         def one(ep: str) -> None:
-            self.call(ep, "POST", "/pause?mode=keep", None)
+            # /pause and /resume came after /collective_rpc: without them the reload runs unpaused.
+            paused = self.optional(ep, "POST", "/pause?mode=keep", None)
             try:
                 self.call(
                     ep,
@@ -338,7 +351,8 @@ class VLLMRollout(HTTPRollout):
                     {"method": "reload_weights", "kwargs": {"weights_path": path}},
                 )
             finally:
-                self.call(ep, "POST", "/resume", None)
+                if paused:
+                    self.call(ep, "POST", "/resume", None)
 
         self._each(one)
 

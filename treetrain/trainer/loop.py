@@ -114,7 +114,11 @@ class Trainer:
             )
         tree = cfg.actor.tree_training
         self.actor = FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="actor")
-        self.ref = FSDPEngine(cfg.model, self.layout, tree, None, role="ref") if cfg.ref is not None else None
+        # The reference model only feeds the KL term: without it, it is not built at all.
+        use_ref = cfg.ref is not None and t.loss.kl_coef > 0
+        self.ref = FSDPEngine(cfg.model, self.layout, tree, None, role="ref") if use_ref else None
+        if cfg.ref is not None and not use_ref:
+            self.log("ref: configured but trainer.loss.klCoef is 0, so no reference model is built")
         self.critic = (
             FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="critic") if cfg.critic is not None else None
         )
