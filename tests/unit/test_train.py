@@ -306,3 +306,15 @@ def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3/3" in second.stdout
     assert "step 1/3" not in second.stdout
+
+
+def test_train_flags_frozen() -> None:
+    from treetrain.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if a.choices and "train" in a.choices]  # type: ignore[operator]
+    train = sub.choices["train"]  # type: ignore[index]
+    flags = sorted(s for a in train._actions for s in a.option_strings)
+    assert flags == sorted(
+        ["-h", "--help", "--resume", "--steps", "--checkpoint-dir", "--metrics-port", "--no-compare"]
+    )
