@@ -224,6 +224,15 @@ def test_ppo_with_a_tree_packed_critic_trains() -> None:
     assert all(r.tree_token_ratio < 1.0 for r in summary.records)
 
 
+def test_several_updates_per_batch_recompute_the_old_logprobs() -> None:
+    trainer = Trainer(C.from_dict(small(ppoEpochs=2, steps=1), env={}), log=lambda _: None)
+    summary = trainer.run()
+    trainer.close()
+    (rec,) = summary.records
+    assert trainer.actor.steps == 2  # two optimizer updates on the one batch
+    assert rec.stats["ratio"] != 1.0  # the second update sees a moved policy against the old one
+
+
 def test_a_user_task_loads_from_module_function(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "my_task.py").write_text(
         "from treetrain.rl.task import ParityTask\n"

@@ -108,6 +108,7 @@ class TrainerSettings:
     group_size: int = 4
     algorithm: str = "grpo"
     normalize_advantages: bool = True
+    ppo_epochs: int = 1  # optimizer updates per batch
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     optimizer: OptimConfig = field(default_factory=OptimConfig)
     loss: PPOLoss.Config = field(default_factory=PPOLoss.Config)
@@ -123,7 +124,7 @@ class TrainerSettings:
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
-        for name in ("steps", "groups_per_step", "group_size", "compare_batches"):
+        for name in ("steps", "groups_per_step", "group_size", "compare_batches", "ppo_epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_camel(name)} must be >= 1, got {getattr(self, name)}")
         if self.algorithm not in ALGORITHMS:

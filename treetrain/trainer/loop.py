@@ -303,8 +303,14 @@ class Trainer:
             cstats = self.critic.forward_backward(batch, self.value_loss)
             self.critic.step()
             extra["value_loss"] = cstats.loss
-        stats = self.actor.forward_backward(batch, self.loss)
-        norm = self.actor.step()
+        epochs = self.cfg.trainer.ppo_epochs
+        if epochs > 1:
+            # Several updates on one batch: the ratio needs the policy that generated it (before
+            # the first update), recomputed once; one update alone uses the current log-probs.
+            batch.tensors["old_logprobs"] = self.actor.forward(batch.sequences)
+        for _ in range(epochs):
+            stats = self.actor.forward_backward(batch, self.loss)
+            norm = self.actor.step()
         t2 = time.perf_counter()
         if self.remote:
             self._sync_weights(step + 1)
