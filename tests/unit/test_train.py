@@ -172,6 +172,14 @@ def test_a_sequence_longer_than_a_micro_batch_exits_2(tmp_path: Path, capsys: py
     assert "more than max_tokens_per_mb=32" in err and "Traceback" not in err
 
 
+def test_a_model_path_that_does_not_load_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_merge(small(), {"model": {"path": str(tmp_path / "no-model")}})))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load model.path" in err and "Traceback" not in err
+
+
 def test_resume_without_a_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(small(tmp_path / "ckpt")))

@@ -14,7 +14,7 @@ from typing import Any
 
 EXAMPLES = """\
 examples:
-  treetrain train                                  # the embedded default (CPU, a few minutes)
+  treetrain train                                  # the embedded default (CPU, under a minute)
   treetrain train examples/trainer-grpo.yaml
   treetrain train config.yaml --resume             # continue from checkpoint.dir's latest checkpoint
   torchrun --nproc-per-node 2 -m treetrain.cli train config.yaml   # actor.backend: fsdp:d2

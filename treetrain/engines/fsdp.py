@@ -104,7 +104,13 @@ def hf_config(cfg: ModelConfig) -> Any:
     if cfg.path.startswith("builtin:"):
         fields = dict(BUILTIN_MODELS[cfg.path.removeprefix("builtin:")])
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    return AutoConfig.from_pretrained(cfg.path)
+    try:
+        return AutoConfig.from_pretrained(cfg.path)
+    except (OSError, ValueError) as err:
+        raise EngineConfigError(
+            f"cannot load model.path {cfg.path!r}: {err}. Give a local Hugging Face model directory "
+            "(config.json + weights), a hub name this machine can download, or builtin:tiny-llama"
+        ) from None
 
 
 def build_model(cfg: ModelConfig, role: str = "actor") -> nn.Module:
