@@ -114,7 +114,15 @@ def _check(backend: str, role: str, tmp: Path) -> None:
         # An optimizer step and a full-weight export work on sharded parameters.
         engine.forward_backward(batch, loss)
         assert engine.step() > 0
-        engine.export_hf(tmp / f"export-{backend.replace(':', '-')}")
+        exported = tmp / f"export-{backend.replace(':', '-')}"
+        engine.export_hf(exported)
+        # Loading that directory on 2 ranks (meta device, shard, rank 0 broadcasts) gives the same model.
+        loaded = FSDPEngine(ModelConfig(path=str(exported)), layout, tree_cfg, None, role="actor")
+        for got, want in zip(loaded.forward(batch.sequences), engine.forward(batch.sequences), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if backend == "fsdp:d2":
+            critic = FSDPEngine(ModelConfig(path=str(exported)), layout, tree_cfg, None, role="critic")
+            assert [len(v) for v in critic.forward(batch.sequences)] == [len(s) - 1 for s in batch.sequences]
         # A sharded checkpoint (DCP) restores model and optimizer exactly: the next step matches.
         ckpt = tmp / f"ckpt-{backend.replace(':', '-')}"
         engine.save(ckpt, {"step": 1})

@@ -12,6 +12,7 @@ same trees.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Mapping, Sequence
@@ -113,31 +114,59 @@ def hf_config(cfg: ModelConfig) -> Any:
         ) from None
 
 
-def build_model(cfg: ModelConfig, role: str = "actor") -> nn.Module:
-    """Build (and load, for a path) the model of one role on the CPU, identically on every rank."""
+def build_model(cfg: ModelConfig, role: str = "actor", *, meta: bool = False) -> nn.Module:
+    """The model of one role: loaded from ``cfg.path`` on the CPU, or (``meta=True``, and for
+    built-in random models) built from the config alone; identical on every rank."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     assert role in ROLES, role
-    torch.manual_seed(cfg.seed)  # built-in random weights: the same on every rank
+    torch.manual_seed(cfg.seed)  # built-in random weights and the value head: the same on every rank
     config = hf_config(cfg)
     config.attention_dropout = 0.0
-    builtin = cfg.path.startswith("builtin:")
-    if role == "critic":
-        if builtin:
-            backbone = AutoModel.from_config(config, dtype=cfg.torch_dtype)
+    from_config = meta or cfg.path.startswith("builtin:")
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if role == "critic":
+            if from_config:
+                backbone = AutoModel.from_config(config, dtype=cfg.torch_dtype)
+            else:
+                backbone = AutoModel.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
+            model: nn.Module = ValueModel(backbone, config.hidden_size).to(cfg.torch_dtype)
+            use_tree_attention(backbone)
         else:
-            backbone = AutoModel.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
-        model: nn.Module = ValueModel(backbone, config.hidden_size).to(cfg.torch_dtype)
-        use_tree_attention(backbone)
-    else:
-        if builtin:
-            model = AutoModelForCausalLM.from_config(config, dtype=cfg.torch_dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
-        use_tree_attention(model)
+            if from_config:
+                model = AutoModelForCausalLM.from_config(config, dtype=cfg.torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
+            use_tree_attention(model)
     if cfg.gradient_checkpointing:
         target = model.backbone if isinstance(model, ValueModel) else model
         target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    return model
+
+
+def load_sharded(cfg: ModelConfig, role: str, layout: ParallelLayout) -> nn.Module:
+    """Several ranks, weights from a directory: build on the meta device, shard, then load.
+
+    Only rank 0 reads the checkpoint (one full copy in host memory, not one per rank); every
+    rank builds the model on the meta device (no memory), shards it, allocates just its
+    shards (``to_empty``) and receives them from rank 0. Buffers that are not in the state
+    dict (rotary frequencies) are broadcast from rank 0 too.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    source = build_model(cfg, role) if layout.is_main else None
+    model = parallelize(build_model(cfg, role, meta=True), layout, cfg)
+    model.to_empty(device=layout.device)
+    full = source.state_dict() if source is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    src_buffers = dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if source is not None:
+                buf.copy_(src_buffers[name])
+            dist.broadcast(buf, src=0)
+    del source, full
     return model
 
 
@@ -240,7 +269,10 @@ class FSDPEngine(Engine):
         self.attention = resolve(os.environ.get("TREETRAIN_ATTENTION") or tree_cfg.attention, layout.device)
         # Fails early with the packer's message when max_tokens_per_mb does not fit the alignment.
         self._pack_config(tree=True)
-        self.model = parallelize(build_model(model_cfg, role), layout, model_cfg).to(layout.device)
+        if layout.world_size > 1 and not model_cfg.path.startswith("builtin:"):
+            self.model = load_sharded(model_cfg, role, layout)
+        else:
+            self.model = parallelize(build_model(model_cfg, role), layout, model_cfg).to(layout.device)
         self.optim_cfg = optim_cfg
         self.optimizer: torch.optim.Optimizer | None = None
         if optim_cfg is not None:
