@@ -99,6 +99,7 @@ def test_the_environment_overrides_the_config() -> None:
         ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch must be a positive"),
         ({"actor": {"treeTraining": {"attention": "magic"}}}, {}, "attention must be one of"),
         ({"critic": {"colocated": False}, "trainer": {"algorithm": "ppo"}}, {}, "critic.colocated: false"),
+        ({"critic": {"backend": "fsdp:d2"}, "trainer": {"algorithm": "ppo"}}, {}, "world size must be the actor's"),
         ({"trainer": {"algorithm": "ppo"}}, {}, "ppo needs a critic"),
         ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
         ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),

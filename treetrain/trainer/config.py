@@ -161,11 +161,18 @@ class TrainConfig:
                     f"{role}.colocated: false is not supported yet; the {role} runs in the actor's processes "
                     "(leave its backend empty or equal to the actor's)"
                 )
-            elif settings.backend and settings.backend != self.actor.backend:
-                problems.append(
-                    f"{role}.backend: a colocated {role} shares the actor's layout ({self.actor.backend}), "
-                    f"got {settings.backend!r}"
-                )
+            elif settings.backend:
+                # Colocated: the same processes, so the same world size; the layout may differ.
+                try:
+                    mine, actor = allocation_for(settings.backend), allocation_for(self.actor.backend)
+                except ValueError as err:
+                    problems.append(f"{role}.backend: {err}")
+                else:
+                    if mine.world_size != actor.world_size:
+                        problems.append(
+                            f"{role}.backend: a colocated {role} runs in the actor's processes, so its world size "
+                            f"must be the actor's ({mine.world_size} != {actor.world_size})"
+                        )
         remote = self.trainer.rollout.kind in ("sglang", "vllm") or (
             self.trainer.rollout.kind == "auto" and bool(self.rollout.endpoints)
         )

@@ -32,7 +32,7 @@ from treetrain.rl.rollout import (
     detect_kind,
 )
 from treetrain.rl.task import Task, load_task
-from treetrain.trainer.config import TrainConfig
+from treetrain.trainer.config import RoleSettings, TrainConfig
 
 LATEST = "latest"
 
@@ -116,11 +116,13 @@ class Trainer:
         self.actor = FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="actor")
         # The reference model only feeds the KL term: without it, it is not built at all.
         use_ref = cfg.ref is not None and t.loss.kl_coef > 0
-        self.ref = FSDPEngine(cfg.model, self.layout, tree, None, role="ref") if use_ref else None
+        self.ref = FSDPEngine(cfg.model, self._layout_of(cfg.ref), tree, None, role="ref") if use_ref else None
         if cfg.ref is not None and not use_ref:
             self.log("ref: configured but trainer.loss.klCoef is 0, so no reference model is built")
         self.critic = (
-            FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="critic") if cfg.critic is not None else None
+            FSDPEngine(cfg.model, self._layout_of(cfg.critic), tree, t.optimizer, role="critic")
+            if cfg.critic is not None
+            else None
         )
         self.loss = t.loss.build()
         self.value_loss = t.value_loss.build()
@@ -128,6 +130,12 @@ class Trainer:
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
         self.batches: list[TrainBatch] = []  # the last few, for the tree vs flat comparison
+
+    def _layout_of(self, settings: RoleSettings | None) -> ParallelLayout:
+        """A colocated critic/ref: the actor's processes, in its own layout when its backend differs."""
+        if settings is None or not settings.backend or settings.backend == self.cfg.actor.backend:
+            return self.layout
+        return init_distributed(settings.backend)
 
     def log(self, line: str) -> None:
         if self.main:
