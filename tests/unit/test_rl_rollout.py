@@ -266,4 +266,5 @@ def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_pa
     loads = [b["model_path"] for m, p, b in sglang.calls if p == "/update_weights_from_disk"]
     assert loads == [str(tmp_path / "weights" / "v00000001"), str(tmp_path / "weights" / "v00000002")]
     assert (Path(loads[-1]) / "config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000002"]  # older versions pruned
     assert any(Path(loads[-1]).glob("*.safetensors"))

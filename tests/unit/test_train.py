@@ -218,6 +218,7 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     a, b = want[2], got.records[0]
     assert (a.loss, a.reward, a.grad_norm, a.stats) == (b.loss, b.reward, b.grad_norm, b.stats)
     assert a.loss != 0.0
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]
     for name, p in _params(t2).items():
         assert torch.equal(p, want_params[name]), name
     t2.close()

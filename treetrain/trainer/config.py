@@ -109,6 +109,7 @@ class TrainerSettings:
     algorithm: str = "grpo"
     normalize_advantages: bool = True
     ppo_epochs: int = 1  # optimizer updates per batch
+    keep_checkpoints: int = 3  # the newest N checkpoints stay in checkpoint.dir
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     optimizer: OptimConfig = field(default_factory=OptimConfig)
     loss: PPOLoss.Config = field(default_factory=PPOLoss.Config)
@@ -124,7 +125,7 @@ class TrainerSettings:
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0: torch's default), got {self.threads}")
-        for name in ("steps", "groups_per_step", "group_size", "compare_batches", "ppo_epochs"):
+        for name in ("steps", "groups_per_step", "group_size", "compare_batches", "ppo_epochs", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_camel(name)} must be >= 1, got {getattr(self, name)}")
         if self.algorithm not in ALGORITHMS:

@@ -7,6 +7,7 @@ rank packs the batch identically and trains its share of the trees.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class Trainer:
             tmp = root / (LATEST + ".tmp")
             tmp.write_text(path.name + "\n")
             tmp.replace(root / LATEST)  # atomic: a crash never leaves a half-written pointer
+            _prune(root, "step-", keep=self.cfg.trainer.keep_checkpoints)
         self._barrier()
         return path
 
@@ -358,6 +360,7 @@ class Trainer:
         if self.main:
             assert self.client is not None
             self.client.update_weights(str(path), version)
+            _prune(path.parent, "v", keep=1)  # every server has loaded this version: older ones go
         self._barrier()
 
     # -- the whole run ---------------------------------------------------------------------
@@ -422,6 +425,13 @@ class Trainer:
         if self.client is not None:
             self.client.close()
         torch.set_num_threads(self._threads)
+
+
+def _prune(root: Path, prefix: str, *, keep: int) -> None:
+    """Delete all but the newest ``keep`` directories ``root/<prefix><zero-padded number>``."""
+    found = sorted(p for p in root.glob(prefix + "*") if p.is_dir() and p.name[len(prefix) :].isdigit())
+    for old in found[: max(0, len(found) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _sync() -> None:
