@@ -224,6 +224,25 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     t2.close()
 
 
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
+    import signal
+
+    trainer = Trainer(C.from_dict(small(tmp_path), env={}), log=lambda _: None)
+    step = trainer.train_step
+
+    def step_then_sigterm(n: int) -> Any:
+        rec = step(n)
+        signal.raise_signal(signal.SIGTERM)  # as Kubernetes does before it kills the pod
+        return rec
+
+    trainer.train_step = step_then_sigterm  # type: ignore[method-assign]
+    summary = trainer.run()
+    trainer.close()
+    assert summary.interrupted and [r.step for r in summary.records] == [1]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
+
+
 def test_ppo_with_a_tree_packed_critic_trains() -> None:
     raw = {**small(algorithm="ppo"), "critic": {}}
     trainer = Trainer(C.from_dict(raw, env={}), log=lambda _: None)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"treetrain train: {err}", file=sys.stderr)
         return 2
     try:
-        run_training(cfg, resume=args.resume)
+        summary = run_training(cfg, resume=args.resume)
     except (EngineConfigError, TaskError, PackingError, UnknownBackendError, AllocationError, FileNotFoundError) as err:
         return _fail(str(err))
     except RolloutError as err:
@@ -84,4 +84,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
+    # Stopped by SIGTERM before the last step: not a success (a restarted pod resumes).
+    return 143 if summary.interrupted else 0

@@ -6,11 +6,14 @@ rank packs the batch identically and trains its share of the trees.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,7 @@ class Summary:
     start_step: int
     comparison: Comparison | None = None
     metrics_port: int | None = None
+    interrupted: bool = False  # SIGTERM: stopped early after a checkpoint
 
 
 def _seed(*parts: int) -> int:
@@ -377,22 +381,59 @@ class Trainer:
             f"(max {tree.max_tokens_per_mb} tokens/micro-batch, attention {self.actor.attention}), "
             f"rollout {self.client.kind if self.client else 'remote'}"
         )
-        for step in range(start, t.steps):
-            rec = self.train_step(step)
-            records.append(rec)
-            self.log(format_record(rec, t.steps))
-            interval = self.cfg.checkpoint.interval_steps
-            if self._ckpt_root() is not None and (rec.step % interval == 0 or rec.step == t.steps):
-                self.save(rec.step)
+        interrupted = False
+        with self._stop_on_sigterm():
+            for step in range(start, t.steps):
+                rec = self.train_step(step)
+                records.append(rec)
+                self.log(format_record(rec, t.steps))
+                interval = self.cfg.checkpoint.interval_steps
+                saved = False
+                if self._ckpt_root() is not None and (rec.step % interval == 0 or rec.step == t.steps):
+                    self.save(rec.step)
+                    saved = True
+                if rec.step < t.steps and self._stop_requested():
+                    # Kubernetes sends SIGTERM before it kills a pod: keep the step just trained.
+                    if self._ckpt_root() is not None and not saved:
+                        self.save(rec.step)
+                    self.log(f"SIGTERM: stopped after step {rec.step} (checkpoint: {self.latest_checkpoint()})")
+                    interrupted = True
+                    break
         seconds = time.perf_counter() - begin  # the training steps only, not the comparison below
-        comparison = self.compare() if t.compare_flat and self.batches else None
+        run_compare = t.compare_flat and self.batches and not interrupted
+        comparison = self.compare() if run_compare else None
         return Summary(
             records=records,
             seconds=seconds,
             start_step=start,
             comparison=comparison,
             metrics_port=self.metrics_port,
+            interrupted=interrupted,
         )
+
+    @contextlib.contextmanager
+    def _stop_on_sigterm(self) -> Iterator[None]:
+        """Turn SIGTERM into a request to stop after the current step (main thread only)."""
+        self._sigterm = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            self._sigterm = True
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _stop_requested(self) -> bool:
+        """Every rank must stop at the same step: any rank's SIGTERM stops them all."""
+        flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.layout.device)
+        if self.layout.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())  # host sync: once per step
 
     def compare(self, repeat: int = 3) -> Comparison:
         """Train the same batches tree-packed and flat (gradients thrown away).
