@@ -10,7 +10,10 @@ The policy, in order (all plain Python, deterministic for the same input):
    therefore stay together whenever they fit together.
 3. Best-fit decreasing over items, with exact sharing: an item goes to the bin where it
    adds the fewest new tree tokens (its prefix shared with sequences already there is
-   free), ties to the fullest bin, then the oldest. Capacity counts tree tokens.
+   free), ties to the fullest bin. Sharing is computed exactly for the bins that hold
+   sequences near the item in trie order (``NEIGHBOR_WINDOW`` items each side); other bins are
+   judged by capacity alone, so the work stays O(items * (window + log bins)). Capacity
+   counts tree tokens.
 4. Balance across ``dp_size`` ranks: every rank must run the same number of micro-batches,
    so the biggest splittable bins are split in two (at the point that best halves their
    tokens) until the count divides evenly; only when nothing can be split does a rank get
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -226,7 +229,7 @@ def pack(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackedBatch:
 
     items = _cut_items(n, lcp, cap, range_cost)
     rmq = _RangeMin(lcp)
-    bins = _best_fit(items, cap, range_cost, rmq)
+    bins = _best_fit(items, cap, range_cost, rmq, n)
     bins = _split_for_ranks(bins, config.dp_size, lens, rmq)
     ranks = _assign_ranks(bins, config.dp_size)
 
@@ -270,27 +273,73 @@ def _cut_items(n: int, lcp: list[int], cap: int, range_cost: Any) -> list[tuple[
     return items
 
 
-def _best_fit(items: list[tuple[int, int]], cap: int, range_cost: Any, rmq: _RangeMin) -> list[_Bin]:
+# How many items to look at on each side of an item (in trie order) for trees it shares a prefix with.
+NEIGHBOR_WINDOW = 32
+
+
+def _best_fit(items: list[tuple[int, int]], cap: int, range_cost: Any, rmq: _RangeMin, n: int) -> list[_Bin]:
+    """Best-fit decreasing by added tree tokens, in O(items * (window + log bins)).
+
+    Trees that hold a sequence near the item in sorted order get their exact sharing; every
+    other tree is judged by capacity alone (shared tokens counted as 0, which can only
+    overestimate), through a cost-sorted list. The chosen tree's cost is then made exact.
+    """
     bins: list[_Bin] = []
+    bin_of = [-1] * n  # sorted position -> its bin
+    item_lo, item_hi = [0] * n, [0] * n  # sorted position -> bounds of its item
+    for lo, hi in items:
+        item_lo[lo:hi] = [lo] * (hi - lo)
+        item_hi[lo:hi] = [hi] * (hi - lo)
+    by_cost: list[tuple[int, int]] = []  # (bin cost, bin index), sorted
     for lo, hi in sorted(items, key=lambda it: (-range_cost(*it), it[0])):
         cost = range_cost(lo, hi)
+        # Every sequence shares at least `floor` tokens with the item (e.g. a BOS token or a
+        # prompt common to the whole batch), so every non-empty tree saves at least that much.
+        floor = min(rmq.lcp(0, lo) if lo > 0 else cost, rmq.lcp(hi - 1, n - 1) if hi < n else cost)
         best: tuple[int, int, int] | None = None  # (added tokens, -bin cost, bin index)
-        for bi, b in enumerate(bins):
+        for bi in _neighbor_bins(lo, hi, floor, bin_of, (item_lo, item_hi), rmq, n):
+            b = bins[bi]
             added = cost - _shared(b, lo, hi, rmq)
-            if b.cost + added <= cap:
-                key = (added, -b.cost, bi)
-                if best is None or key < best:
-                    best = key
+            if b.cost + added <= cap and (best is None or (added, -b.cost, bi) < best):
+                best = (added, -b.cost, bi)
+        j = bisect_right(by_cost, (cap - cost + floor, len(bins))) - 1  # the fullest tree with room
+        if j >= 0 and (best is None or (cost - floor, -by_cost[j][0], by_cost[j][1]) < best):
+            best = (cost - floor, -by_cost[j][0], by_cost[j][1])
         if best is None:
+            bi = len(bins)
             bins.append(_Bin(starts=[lo], ends=[hi], cost=cost))
-            continue
-        b = bins[best[2]]
-        j = bisect_left(b.starts, lo)
-        b.starts.insert(j, lo)
-        b.ends.insert(j, hi)
-        b.cost += best[0]
+        else:
+            bi = best[2]
+            b = bins[bi]
+            by_cost.remove((b.cost, bi))
+            b.cost += cost - _shared(b, lo, hi, rmq)
+            k = bisect_left(b.starts, lo)
+            b.starts.insert(k, lo)
+            b.ends.insert(k, hi)
+        insort(by_cost, (bins[bi].cost, bi))
+        bin_of[lo:hi] = [bi] * (hi - lo)
     bins.sort(key=lambda b: b.starts[0])
     return bins
+
+
+def _neighbor_bins(
+    lo: int, hi: int, floor: int, bin_of: list[int], bounds: tuple[list[int], list[int]], rmq: _RangeMin, n: int
+) -> list[int]:
+    """Bins holding the nearest ``NEIGHBOR_WINDOW`` items on each side of [lo, hi) in trie order
+    that share more than ``floor`` tokens with it (every tree shares ``floor``)."""
+    item_lo, item_hi = bounds
+    found: list[int] = []
+    x, steps = lo - 1, 0
+    while x >= 0 and steps < NEIGHBOR_WINDOW and rmq.lcp(x, lo) > floor:  # prefixes shrink further away
+        if bin_of[x] >= 0 and bin_of[x] not in found:
+            found.append(bin_of[x])
+        x, steps = item_lo[x] - 1, steps + 1
+    y, steps = hi, 0
+    while y < n and steps < NEIGHBOR_WINDOW and rmq.lcp(hi - 1, y) > floor:
+        if bin_of[y] >= 0 and bin_of[y] not in found:
+            found.append(bin_of[y])
+        y, steps = item_hi[y], steps + 1
+    return found
 
 
 def _shared(b: _Bin, lo: int, hi: int, rmq: _RangeMin) -> int:
