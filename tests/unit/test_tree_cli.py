@@ -60,7 +60,7 @@ def test_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(
     ("lines", "args", "message"),
     [
-        (["[1, 2]"], ["--max-tokens", "100"], "multiple of 128"),
+        (["[1, 2]"], ["--max-tokens", "100"], "--max-tokens (100) must be a multiple of 128 (lcm of --block-size=128"),
         (["[1, 2]", "not json"], ["--max-tokens", "128"], ":2: not JSON"),
         (
             ['{"ids": [1]}'],
@@ -68,7 +68,11 @@ def test_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
             ':1: expected a JSON list of token ids or an object with "input_ids"',
         ),
         (["[1, 2]", "[]"], ["--max-tokens", "128"], "sequence 1 is empty"),
-        (["[1, 2]", str(list(range(200)))], ["--max-tokens", "128"], "sequence 1 has 200 tokens"),
+        (
+            ["[1, 2]", str(list(range(200)))],
+            ["--max-tokens", "128"],
+            "sequence 1 has 200 tokens, more than --max-tokens=128",
+        ),
         ([""], ["--max-tokens", "128"], "no sequences"),
     ],
 )

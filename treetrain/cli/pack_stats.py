@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         config = PackConfig(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, dp_size=args.dp)
         batch = pack(sequences, config)
     except (OSError, PackingError) as err:
-        print(f"treetrain pack-stats: error: {err}", file=sys.stderr)
+        # The library names its setting; here the user typed --max-tokens / --block-size.
+        message = str(err).replace("max_tokens_per_mb", "--max-tokens").replace("block_size=", "--block-size=")
+        print(f"treetrain pack-stats: error: {message}", file=sys.stderr)
         return 2
     row = {"file": args.file, **batch.stats.to_dict()}
     if args.json:
