@@ -235,3 +235,20 @@ def test_property_parity_on_random_tries(seqs: list[list[int]], backend: str) ->
         got = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=64, attention=backend)
         for s, g in zip(seqs, got, strict=True):
             torch.testing.assert_close(g, _alone(model, s), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_branch_at_every_offset_across_block_boundaries(backend: str) -> None:
+    # 16-token blocks: the branch point walks over offsets 12..35, across the boundaries at 16 and 32,
+    # and the children (one short, one long, one a prefix of the shared part) straddle them too.
+    model = _property_model()
+    rng = random.Random(9)
+    shared = [rng.randrange(1, 101) for _ in range(40)]
+    with torch.no_grad():
+        for depth in range(12, 36):
+            seqs = [[*shared[:depth], 7, 8, 9], shared[:depth] + [rng.randrange(1, 101) for _ in range(21)]]
+            seqs.append(shared[: depth - 5])
+            got = treetrain.tree_logprobs(model, seqs, max_tokens_per_mb=128, attention=backend)
+            for s, g in zip(seqs, got, strict=True):
+                torch.testing.assert_close(g, _alone(model, s), rtol=0, atol=1e-4, msg=f"branch at {depth}")
