@@ -280,7 +280,8 @@ def test_a_user_task_loads_from_module_function(tmp_path: Path, monkeypatch: pyt
 @pytest.mark.slow
 def test_the_embedded_default_runs_end_to_end() -> None:
     """`treetrain train` with no arguments, as a newcomer runs it (a fresh process)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    # Not in a pod (KUBERNETES_*): the metrics server binds loopback.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_"))}
     out = subprocess.run(
         [sys.executable, "-m", "treetrain.cli", "train"],
         capture_output=True,
