@@ -115,6 +115,7 @@ class LocalRollout(RolloutClient):
                     probs_BV = _top_p(probs_BV, params.top_p)
                 next_B = torch.multinomial(probs_BV.cpu(), 1, generator=gen).squeeze(1)
                 chosen = logp_BV.cpu().gather(1, next_B[:, None]).squeeze(1)
+                # Host sync per decoded token: the episode logic needs the tokens on the host anyway.
                 for r, (t, lp) in enumerate(zip(next_B.tolist(), chosen.tolist(), strict=True)):
                     if done[r]:
                         continue
