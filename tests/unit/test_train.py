@@ -158,11 +158,13 @@ def test_unreadable_configs(
 
 
 def test_a_layout_that_needs_more_processes_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(_merge(small(), {"actor": {"backend": "fsdp:d2"}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "needs 2 processes but 1 were started" in err and "Traceback" not in err
+    assert torch.get_num_threads() == threads  # trainer.threads does not outlive a failed start
 
 
 def test_a_sequence_longer_than_a_micro_batch_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -107,6 +107,13 @@ class Trainer:
         self._threads = torch.get_num_threads()
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        try:
+            self._build(cfg, log)
+        except BaseException:
+            torch.set_num_threads(self._threads)  # a failed start leaves the process as it was
+            raise
+
+    def _build(self, cfg: TrainConfig, log: Callable[[str], None] | None) -> None:
         self.layout: ParallelLayout = init_distributed(cfg.actor.backend)
         self.main = self.layout.is_main
         self._log = log or (lambda line: print(line, flush=True))
