@@ -98,6 +98,7 @@ def test_the_environment_overrides_the_config() -> None:
         ({"actor": {"backend": "sglang:d2"}}, {}, "actor.backend:"),
         ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch must be a positive"),
         ({"actor": {"treeTraining": {"attention": "magic"}}}, {}, "attention must be one of"),
+        ({"actor": {"treeTraining": {"attention": "flex"}}}, {}, "attention='flex' has no backward on cpu"),
         ({"critic": {"colocated": False}, "trainer": {"algorithm": "ppo"}}, {}, "critic.colocated: false"),
         ({"critic": {"backend": "fsdp:d2"}, "trainer": {"algorithm": "ppo"}}, {}, "world size must be the actor's"),
         ({"trainer": {"algorithm": "ppo"}}, {}, "ppo needs a critic"),

@@ -48,7 +48,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         from treetrain.alloc import AllocationError
-        from treetrain.attention import UnknownBackendError
+        from treetrain.attention import BackendUnavailableError, UnknownBackendError
         from treetrain.engines.base import EngineConfigError
         from treetrain.rl.rollout import RolloutError
         from treetrain.rl.task import TaskError
@@ -76,7 +76,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = run_training(cfg, resume=args.resume)
-    except (EngineConfigError, TaskError, PackingError, UnknownBackendError, AllocationError, FileNotFoundError) as err:
+    except (
+        EngineConfigError,
+        TaskError,
+        PackingError,
+        UnknownBackendError,
+        BackendUnavailableError,
+        AllocationError,
+        FileNotFoundError,
+    ) as err:
         return _fail(str(err))
     except RolloutError as err:
         # The servers, not the config: exit 1, so a restarted pod tries again.

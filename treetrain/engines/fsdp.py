@@ -265,8 +265,10 @@ class FSDPEngine(Engine):
         self.tree_cfg = tree_cfg
         self.role = role
         self.block_size = block_size()
-        # TREETRAIN_ATTENTION overrides the config (DESIGN.md).
-        self.attention = resolve(os.environ.get("TREETRAIN_ATTENTION") or tree_cfg.attention, layout.device)
+        # TREETRAIN_ATTENTION overrides the config (DESIGN.md). Trained roles need a backward:
+        # a backend that has none on this device fails here, not inside the first step.
+        name = os.environ.get("TREETRAIN_ATTENTION") or tree_cfg.attention
+        self.attention = resolve(name, layout.device, needs_grad=optim_cfg is not None)
         # Fails early with the packer's message when max_tokens_per_mb does not fit the alignment.
         self._pack_config(tree=True)
         if layout.world_size > 1 and not model_cfg.path.startswith("builtin:"):
