@@ -64,7 +64,7 @@ def tree_block_mask(meta: TreeAttentionMeta) -> Any:
 def _compiled() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)  # type: ignore[return-value]
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_attention(

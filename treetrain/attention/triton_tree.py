@@ -70,7 +70,7 @@ def check_available(device: torch.device) -> None:
 
 class _TreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q_HND: torch.Tensor,
         k_KND: torch.Tensor,
@@ -88,7 +88,7 @@ class _TreeAttention(torch.autograd.Function):
         return o_HND
 
     @staticmethod
-    def backward(ctx: Any, do_HND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, do_HND: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         from treetrain.attention import _triton_kernels as kernels
 
         q_HND, k_KND, v_KND, o_HND, lse_HN = ctx.saved_tensors
