@@ -106,7 +106,8 @@ class Auxiliary(_Model):
 
     backend: str = Field(default="", max_length=MAX_BACKEND, description="Backend string; empty = the actor's backend.")
     colocated: bool = Field(
-        default=True, description="Run in the actor's trainer pods (needs the same world size as the actor)."
+        default=True,
+        description="Run in the actor's trainer pods (needs the actor's world size); false is not supported yet.",
     )
 
 

@@ -8,8 +8,8 @@ Children of RLJob ``NAME`` (all in its namespace):
 
     NAME-config                 ConfigMap: the trainer config (config.yaml)
     NAME-rollout[-ENGINE]       headless Service + StatefulSet per rollout engine
-    NAME-trainer                headless Service + Indexed Job for the actor's gang
-    NAME-critic / NAME-ref      Indexed Job + Service, only when not colocated
+    NAME-trainer                headless Service + Indexed Job for the trainer gang (actor,
+                                and critic/ref colocated in the same pods)
 """
 
 from __future__ import annotations
@@ -265,6 +265,16 @@ def _components(engines: _Engines) -> tuple[dict[str, Component], list[FieldErro
     if engines.actor is not None:
         add("actor", "actor", "spec.actor.backend", engines.actor, "training")
     for role, aux_backend, colocated in engines.aux:
+        if not colocated:
+            # The trainer runs critic and ref inside the actor's gang only (for now).
+            errors.append(
+                FieldError(
+                    f"spec.{role}.colocated",
+                    f"a {role} in its own pods is not supported yet; remove colocated: false "
+                    f"(the {role} then runs in the actor's trainer pods, with the actor's world size)",
+                )
+            )
+            continue
         if not aux_backend and engines.actor is None:
             continue
         add(
@@ -358,7 +368,7 @@ def _config_map(plan: Plan) -> dict[str, Any]:
             "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
         },
         "checkpoint": {"dir": CHECKPOINT_DIR, "intervalSteps": spec.checkpoint.interval_steps},
-        "rollout": {"endpoints": rollout_endpoints(plan)},
+        "rollout": {"endpoints": rollout_endpoints(plan), **_rollout_kind(plan)},
         "trainer": spec.trainer_config,
     }
     for role in ("critic", "ref"):
@@ -371,6 +381,12 @@ def _config_map(plan: Plan) -> dict[str, Any]:
         "metadata": _meta(plan, f"{plan.name}-config", "actor"),
         "data": {"config.yaml": yaml.safe_dump(config, sort_keys=False)},
     }
+
+
+def _rollout_kind(plan: Plan) -> dict[str, str]:
+    """``backend: sglang|vllm`` when every rollout engine is of one kind (else the trainer probes)."""
+    kinds = {c.allocation.backend for c in plan.components.values() if c.role == "rollout"}
+    return {"backend": kinds.pop()} if len(kinds) == 1 else {}
 
 
 def _model_path(spec: RLJobSpec) -> str:

@@ -169,13 +169,23 @@ def test_gang_and_kueue_pod_group() -> None:
 
 
 def test_critic_and_ref() -> None:
-    p = plan(manifest(critic={}, ref={"backend": "fsdp:d4", "colocated": False}))
+    p = plan(manifest(critic={}, ref={"backend": "fsdp:d2t4"}))
     summary = p.summary()["components"]
     assert summary["critic"] == {"backend": "fsdp:d8", "gpus": 0, "pods": 0, "gpus_per_pod": 8, "nodes": 0,
                                  "world_size": 8, "kind": "training", "colocated_with": "actor"}  # fmt: skip
-    assert summary["ref"]["gpus"] == 4 and summary["ref"]["pods"] == 1
-    assert p.total_gpus == 20
-    assert ("Job", "job-ref") in by_kind(p.objects) and ("Job", "job-critic") not in by_kind(p.objects)
+    assert summary["ref"]["backend"] == "fsdp:d2t4" and summary["ref"]["gpus"] == 0
+    assert p.total_gpus == 16
+    assert [o["metadata"]["name"] for o in p.objects if o["kind"] == "Job"] == ["job-trainer"]
+    config = yaml.safe_load(by_kind(p.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    assert config["critic"] == {"backend": "fsdp:d8", "colocated": True}
+
+
+def test_rollout_kind_in_config() -> None:
+    config = yaml.safe_load(by_kind(plan(manifest()).objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    assert config["rollout"]["backend"] == "sglang"
+    mixed = plan(manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d1"}]))
+    config = yaml.safe_load(by_kind(mixed.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    assert "backend" not in config["rollout"]  # mixed kinds: the trainer asks each server
 
 
 def test_additional_rollouts() -> None:
@@ -198,6 +208,7 @@ INVALID = [
     ({"actor": {"backend": "fsdp:d12"}}, "spec.actor.backend", "does not fill whole nodes of 8 GPUs"),
     ({"actor": {"backend": "fsdp.d4"}}, "spec.actor.backend", "use ':' between backend and dims"),
     ({"critic": {"backend": "fsdp:d4"}}, "spec.critic.backend", "world size must equal the actor's (4 != 8)"),
+    ({"ref": {"colocated": False}}, "spec.ref.colocated", "in its own pods is not supported yet"),
     ({"gpusPerNode": 0}, "spec.gpusPerNode", "greater than or equal to 1"),
     ({"bogus": 1}, "spec.bogus", "is not a field of RLJob"),
     ({"actor": {}}, "spec.actor.backend", "is required"),
