@@ -31,6 +31,25 @@ def _tree_mask(offs_q, offs_k, tend):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _rows(PTR, head, offs, offs_d, N, D):  # type: ignore[no-untyped-def]
+    """Rows ``offs`` of head ``head`` of a contiguous ``[heads, N, D]`` tensor (D zero-padded)."""
+    return tl.load(PTR + head * N * D + offs[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, head, offs, offs_d, N, D, value):  # type: ignore[no-untyped-def]
+    ptrs = PTR + head * N * D + offs[:, None] * D + offs_d[None, :]
+    tl.store(ptrs, value.to(PTR.dtype.element_ty), mask=offs_d[None, :] < D)
+
+
+@triton.jit
+def _probs(q, k, tend, lse, offs_q, offs_k, scale, IEEE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Softmax probabilities of one block pair, recomputed from the saved log-sum-exp."""
+    s = _dot(q, tl.trans(k), IEEE) * scale
+    return tl.where(_tree_mask(offs_q, offs_k, tend), tl.exp(s - lse[:, None]), 0.0)
+
+
+@triton.jit
 def _fwd_kernel(  # type: ignore[no-untyped-def]
     Q, K, V, O, LSE, TEND, KV_PTR, KV_IDX, scale, N, D,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
@@ -40,8 +59,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     kh = h // GROUP
     offs_q = qb * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    q = tl.load(Q + h * N * D + offs_q[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
+    q = _rows(Q, h, offs_q, offs_d, N, D)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -50,8 +68,8 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
     for i in range(start, end):
         kb = tl.load(KV_IDX + i)
         offs_k = kb * BLOCK + tl.arange(0, BLOCK)
-        k = tl.load(K + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-        v = tl.load(V + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
+        k = _rows(K, kh, offs_k, offs_d, N, D)
+        v = _rows(V, kh, offs_k, offs_d, N, D)
         tend = tl.load(TEND + offs_k)
         s = _dot(q, tl.trans(k), IEEE) * scale
         s = tl.where(_tree_mask(offs_q, offs_k, tend), s, float("-inf"))
@@ -65,7 +83,7 @@ def _fwd_kernel(  # type: ignore[no-untyped-def]
         m_i = m_new
     # Every token sees itself, so l_i > 0 for every row, padding included.
     acc = acc / l_i[:, None]
-    tl.store(O + h * N * D + offs_q[:, None] * D + offs_d[None, :], acc.to(O.dtype.element_ty), mask=dmask)
+    _store_rows(O, h, offs_q, offs_d, N, D, acc)
     tl.store(LSE + h * N + offs_q, m_i + tl.log(l_i))
 
 
@@ -78,9 +96,8 @@ def _bwd_dkdv_kernel(  # type: ignore[no-untyped-def]
     kh = tl.program_id(1)
     offs_k = kb * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    k = tl.load(K + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-    v = tl.load(V + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
+    k = _rows(K, kh, offs_k, offs_d, N, D)
+    v = _rows(V, kh, offs_k, offs_d, N, D)
     tend = tl.load(TEND + offs_k)
     dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -90,19 +107,17 @@ def _bwd_dkdv_kernel(  # type: ignore[no-untyped-def]
         # The query blocks that see key block kb are exactly kb .. last_q[kb].
         for qb in range(kb, last + 1):
             offs_q = qb * BLOCK + tl.arange(0, BLOCK)
-            q = tl.load(Q + h * N * D + offs_q[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-            do = tl.load(DO + h * N * D + offs_q[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
+            q = _rows(Q, h, offs_q, offs_d, N, D)
+            do = _rows(DO, h, offs_q, offs_d, N, D)
             lse = tl.load(LSE + h * N + offs_q)
             delta = tl.load(DELTA + h * N + offs_q)
-            s = _dot(q, tl.trans(k), IEEE) * scale
-            p = tl.where(_tree_mask(offs_q, offs_k, tend), tl.exp(s - lse[:, None]), 0.0)
+            p = _probs(q, k, tend, lse, offs_q, offs_k, scale, IEEE)
             dv += _dot(tl.trans(p).to(do.dtype), do, IEEE)
             dp = _dot(do, tl.trans(v), IEEE)
             ds = p * (dp - delta[:, None])
             dk += _dot(tl.trans(ds).to(q.dtype), q, IEEE)
-    dk = dk * scale
-    tl.store(DK + kh * N * D + offs_k[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=dmask)
-    tl.store(DV + kh * N * D + offs_k[:, None] * D + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=dmask)
+    _store_rows(DK, kh, offs_k, offs_d, N, D, dk * scale)
+    _store_rows(DV, kh, offs_k, offs_d, N, D, dv)
 
 
 @triton.jit
@@ -115,9 +130,8 @@ def _bwd_dq_kernel(  # type: ignore[no-untyped-def]
     kh = h // GROUP
     offs_q = qb * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d[None, :] < D
-    q = tl.load(Q + h * N * D + offs_q[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-    do = tl.load(DO + h * N * D + offs_q[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
+    q = _rows(Q, h, offs_q, offs_d, N, D)
+    do = _rows(DO, h, offs_q, offs_d, N, D)
     lse = tl.load(LSE + h * N + offs_q)
     delta = tl.load(DELTA + h * N + offs_q)
     dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
@@ -126,16 +140,13 @@ def _bwd_dq_kernel(  # type: ignore[no-untyped-def]
     for i in range(start, end):
         kb = tl.load(KV_IDX + i)
         offs_k = kb * BLOCK + tl.arange(0, BLOCK)
-        k = tl.load(K + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-        v = tl.load(V + kh * N * D + offs_k[:, None] * D + offs_d[None, :], mask=dmask, other=0.0)
-        tend = tl.load(TEND + offs_k)
-        s = _dot(q, tl.trans(k), IEEE) * scale
-        p = tl.where(_tree_mask(offs_q, offs_k, tend), tl.exp(s - lse[:, None]), 0.0)
+        k = _rows(K, kh, offs_k, offs_d, N, D)
+        v = _rows(V, kh, offs_k, offs_d, N, D)
+        p = _probs(q, k, tl.load(TEND + offs_k), lse, offs_q, offs_k, scale, IEEE)
         dp = _dot(do, tl.trans(v), IEEE)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, IEEE)
-    dq = dq * scale
-    tl.store(DQ + h * N * D + offs_q[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=dmask)
+    _store_rows(DQ, h, offs_q, offs_d, N, D, dq * scale)
 
 
 def _shapes(q_HND: torch.Tensor, k_KND: torch.Tensor, block: int) -> tuple[int, int, int, int, int]:
