@@ -14,6 +14,7 @@ Children of RLJob ``NAME`` (all in its namespace):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,8 +167,6 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
 
 
 def _check_name(name: str) -> list[FieldError]:
-    import re
-
     if not name:
         return [FieldError("metadata.name", "is required")]
     if len(name) > MAX_NAME_LENGTH or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from rljob_operator.models import RLJobStatus
-from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Plan, PlanError, plan, trainer_job_name
+from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Component, Plan, PlanError, plan, trainer_job_name
 
 BACKOFF_MAX_SECONDS = 300.0
 WORKLOAD_KINDS = ("Job", "StatefulSet")
@@ -212,7 +212,7 @@ def _component(obj: dict[str, Any]) -> str:
     return str(((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_COMPONENT, ""))
 
 
-def _trainer_components(desired: Plan) -> list[Any]:
+def _trainer_components(desired: Plan) -> list[Component]:
     return [c for c in desired.components.values() if c.role in TRAINER_ROLES and c.colocated_with is None]
 
 
