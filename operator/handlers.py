@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -87,6 +88,17 @@ class Controller:
             requeue = await asyncio.to_thread(self.reconcile_one, *key)
         except Conflict:
             requeue = 0.5  # someone changed the RLJob or a child meanwhile: read again
+        except ApiException as exc:
+            # The API server said no: one line, no traceback. A namespace being deleted takes
+            # its RLJobs with it, so there is nothing to retry.
+            if _terminating(exc):
+                log.info("%s/%s: its namespace is being deleted; leaving it", *key)
+                requeue = None
+            else:
+                self.metrics.errors.inc()
+                log.warning("reconciling %s/%s: the API server answered %s: %s; retrying in 5 s", *key,
+                            exc.status, _api_message(exc))  # fmt: skip
+                requeue = 5.0
         except Exception:
             self.metrics.errors.inc()
             log.exception("reconciling %s/%s failed; retrying in 5 s", *key)
@@ -144,7 +156,19 @@ class Controller:
         try:
             self.kube.event(rljob, kind, reason, message)
         except ApiException as exc:  # events are best effort; never fail a reconcile for one
-            log.warning("could not post event %s on %s: %s", reason, rljob["metadata"]["name"], exc.reason)
+            if not _terminating(exc):
+                log.warning("could not post event %s on %s: %s", reason, rljob["metadata"]["name"], _api_message(exc))
+
+
+def _api_message(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason)
+
+
+def _terminating(exc: ApiException) -> bool:
+    return exc.status == 403 and "NamespaceTerminating" in str(exc.body)
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from cluster_helpers import free_port, http_get, wait_for
 from kubernetes import client
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
@@ -77,31 +75,6 @@ def stand_in_crd(kind: str, plural: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # loopback only
-            return response.status, response.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return 0, ""
 
 
 def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from cluster_helpers import free_port, http_get, wait_for
 from kubernetes import client
 
 from rljob_operator.handlers import Controller
@@ -143,17 +144,6 @@ def create(cluster: Cluster, namespace: str, body: dict[str, Any]) -> None:
 def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     obj: dict[str, Any] = custom(cluster).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     return obj
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {last!r}")
 
 
 def phase_is(cluster: Cluster, namespace: str, name: str, phase: str) -> Callable[[], Any]:
@@ -418,25 +408,6 @@ def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: Runni
             core.delete_node(name)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http_get(url: str) -> tuple[int, str]:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # loopback only
-            return response.status, response.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return 0, ""
-
-
 def test_rljob_operator_command_for_one_namespace(
     cluster: Cluster, namespace: str, operator: RunningOperator, operator_kubeconfig: Path
 ) -> None:
@@ -445,7 +416,7 @@ def test_rljob_operator_command_for_one_namespace(
     import subprocess
     import sys
 
-    metrics, liveness = _free_port(), _free_port()
+    metrics, liveness = free_port(), free_port()
     operator.stop()  # one operator at a time
     env = dict(os.environ, KUBECONFIG=str(operator_kubeconfig))
     rljob_bin = str(Path(sys.executable).parent / "rljob")
@@ -453,14 +424,14 @@ def test_rljob_operator_command_for_one_namespace(
             "--metrics-port", str(metrics), "--liveness-port", str(liveness)]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for("liveness 200", lambda: _http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout=60)
+        wait_for("liveness 200", lambda: http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200, timeout=60)
         create(cluster, namespace, rljob("cli"))
         wait_for("cli Running", phase_is(cluster, namespace, "cli", "Running"))
         # The metrics follow the status patch within the same reconcile pass: poll, don't race it.
         text = wait_for(
             "Running in /metrics",
             lambda: (
-                (r := _http_get(f"http://127.0.0.1:{metrics}/metrics"))[0] == 200
+                (r := http_get(f"http://127.0.0.1:{metrics}/metrics"))[0] == 200
                 and 'rljob_jobs{phase="Running"} 1.0' in r[1]
                 and r[1]
             ),
