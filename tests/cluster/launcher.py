@@ -56,6 +56,21 @@ def say(msg: str) -> None:
 # Processes
 
 
+def spawn_detached(cmd: list[str], log_path: Path, cwd: Path | None = None) -> int:
+    """Start ``cmd`` in its own session, output appended to ``log_path``; returns its pid."""
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    return proc.pid
+
+
 def proc_start_time(pid: int) -> str | None:
     """The kernel's start time of `pid` (field 22 of /proc/PID/stat), or None if it is gone.
     Stored next to each pid so that `down` never signals an unrelated process that reused it."""
@@ -313,21 +328,10 @@ class Cluster:
         tmp.replace(self.dir / "state.json")
 
     def start(self, name: str, args: list[str]) -> None:
-        log = (self.logs / f"{name}.log").open("ab")
         cmd = [str(self.bin / name), *args]
         (self.logs / f"{name}.log").with_suffix(".cmd").write_text(shlex.join(cmd) + "\n")
-        proc = subprocess.Popen(
-            cmd,
-            cwd=self.dir,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
-        log.close()
-        start_time = proc_start_time(proc.pid)
-        self.procs[name] = {"pid": proc.pid, "start_time": start_time, "cmd": cmd[0]}
+        pid = spawn_detached(cmd, self.logs / f"{name}.log", cwd=self.dir)
+        self.procs[name] = {"pid": pid, "start_time": proc_start_time(pid), "cmd": cmd[0]}
         self.save_state()
 
     def check_alive(self) -> None:
@@ -747,18 +751,9 @@ def stop(names: list[str], procs: dict[str, dict[str, Any]], grace: float = 10) 
 def start_watchdog(d: Path, owner_pid: int) -> None:
     """A detached process that runs `down --keep-logs` when `owner_pid` exits, so that a killed
     pytest leaves nothing running."""
-    log = (d / "logs" / "watchdog.log").open("ab")
     cmd = [sys.executable, str(Path(__file__).resolve()), "watch", "--dir", str(d), "--pid", str(owner_pid)]
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        close_fds=True,
-    )
-    log.close()
-    entry = {"pid": proc.pid, "start_time": proc_start_time(proc.pid), "owner": owner_pid}
+    pid = spawn_detached(cmd, d / "logs" / "watchdog.log")
+    entry = {"pid": pid, "start_time": proc_start_time(pid), "owner": owner_pid}
     (d / "watchdog.json").write_text(json.dumps(entry) + "\n")
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tree_helpers import reference_mask, tiny_model
+from tree_helpers import one_tree, reference_mask, tiny_model
 
 from treetrain.attention import (
     IMPLEMENTATION,
@@ -22,13 +22,11 @@ from treetrain.attention import (
     tree_attention_forward,
     tree_forward,
 )
-from treetrain.tree import PackConfig, PackedTree, pack
+from treetrain.tree import PackedTree
 
 
 def _tree(seqs: list[list[int]], block: int) -> PackedTree:
-    cap = -(-sum(map(len, seqs)) // block) * block
-    (tree,) = pack(seqs, PackConfig(max_tokens_per_mb=cap, block_size=block)).trees
-    return tree
+    return one_tree(seqs, block)
 
 
 def _qkv(n: int, h: int = 4, kh: int = 2, d: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-from tree_helpers import tiny_model
+from tree_helpers import one_tree, tiny_model
 
 from treetrain.attention import BackendUnavailableError, TreeAttentionMeta, dense_attention, resolve
 from treetrain.attention.blocks import block_sparsity
 from treetrain.attention.flex import FlexUnavailableError, flex_attention, tree_block_mask
 from treetrain.attention.triton_tree import TritonUnavailableError, check_available, triton_attention
 from treetrain.logprob import tree_logprobs
-from treetrain.tree import PackConfig, PackedTree, pack
+from treetrain.tree import PackedTree
 
 BLOCK = 16  # the smallest block Triton's tl.dot takes
 DEVICE = torch.device(os.environ.get("TREETRAIN_TEST_DEVICE", "cpu"))
@@ -32,9 +32,7 @@ if DEVICE.type == "cpu":
 
 
 def _tree(seqs: list[list[int]], block: int = BLOCK) -> PackedTree:
-    cap = -(-sum(map(len, seqs)) // block) * block
-    (tree,) = pack(seqs, PackConfig(max_tokens_per_mb=cap, block_size=block)).trees
-    return tree
+    return one_tree(seqs, block)
 
 
 def _meta(tree: PackedTree, backend: str, block: int = BLOCK) -> TreeAttentionMeta:

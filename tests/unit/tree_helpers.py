@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from treetrain.tree import PackedTree
+from treetrain.tree import PackConfig, PackedTree, pack
+
+
+def one_tree(seqs: list[list[int]], block: int) -> PackedTree:
+    """Pack ``seqs`` into exactly one tree, the cap rounded up to the block size."""
+    cap = -(-sum(map(len, seqs)) // block) * block
+    (tree,) = pack(seqs, PackConfig(max_tokens_per_mb=cap, block_size=block)).trees
+    return tree
 
 
 def token_parents(tree: PackedTree) -> list[int]:
