@@ -361,12 +361,26 @@ def test_ttl_deletes_finished_rljob(cluster: Cluster, namespace: str, operator: 
     wait_for("RLJob deleted by its TTL", deleted, timeout=30)
 
 
+def _gpus_in_use(core: client.CoreV1Api) -> int:
+    used = 0
+    for pod in core.list_pod_for_all_namespaces().items:
+        if pod.status.phase in ("Succeeded", "Failed") or not pod.spec.node_name:
+            continue
+        for container in pod.spec.containers:
+            used += int(((container.resources and container.resources.limits) or {}).get("nvidia.com/gpu", 0))
+    return used
+
+
 @pytest.mark.slow
 def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
     core = client.CoreV1Api(cluster.api)
-    # 50 RLJobs of 2 GPUs need 100 GPUs: add simulated nodes like the launcher's.
-    template = core.list_node(label_selector="nvidia.com/gpu.present=true").items[0].to_dict()
-    extra = [f"scale-gpu-{i}" for i in range(9)]
+    # 50 RLJobs of 2 GPUs need 100 free GPUs: add simulated nodes like the launcher's, enough
+    # for what the session's earlier tests may still hold while their namespaces go away.
+    gpu_nodes = core.list_node(label_selector="nvidia.com/gpu.present=true").items
+    template = gpu_nodes[0].to_dict()
+    per_node = int(template["status"]["allocatable"]["nvidia.com/gpu"])
+    free = sum(int(n.status.allocatable["nvidia.com/gpu"]) for n in gpu_nodes) - _gpus_in_use(core)
+    extra = [f"scale-gpu-{i}" for i in range(max(0, -(-(100 - free) // per_node)) + 1)]
     for i, name in enumerate(extra):
         core.create_node(
             {
