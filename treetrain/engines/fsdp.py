@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta, block_size, resolve, tree_forward, use_tree_attention
+from treetrain.engines import builtin
 from treetrain.engines.base import (
     Engine,
     EngineConfigError,
@@ -40,25 +41,13 @@ from treetrain.engines.parallel import ParallelLayout
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
 
-# Small random models built from a config (no download): ``model.path: builtin:<name>``.
-BUILTIN_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "model_type": "llama",
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 192,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-    },
-}
 ROLES = ("actor", "critic", "ref")
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Which model: a Hugging Face directory (or hub name, if the machine can reach it) or ``builtin:NAME``."""
+    """Which model: a Hugging Face directory (or hub name, if the machine can reach it) or
+    ``builtin:NAME`` (see :mod:`treetrain.engines.builtin`)."""
 
     path: str
     seed: int = 0
@@ -67,11 +56,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str) or not self.path:
-            raise EngineConfigError("model.path must be a model directory or builtin:tiny-llama")
-        if self.path.startswith("builtin:") and self.path.removeprefix("builtin:") not in BUILTIN_MODELS:
-            raise EngineConfigError(
-                f"unknown built-in model {self.path!r}; built-in: {', '.join('builtin:' + n for n in BUILTIN_MODELS)}"
-            )
+            raise EngineConfigError("model.path must be a model directory or builtin:NAME, e.g. builtin:smollm2-135m")
+        builtin.check_path(self.path)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"model.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -102,41 +88,43 @@ class ValueModel(nn.Module):
 def hf_config(cfg: ModelConfig) -> Any:
     from transformers import AutoConfig
 
-    if cfg.path.startswith("builtin:"):
-        fields = dict(BUILTIN_MODELS[cfg.path.removeprefix("builtin:")])
+    fields = builtin.random_config(cfg.path)
+    if fields is not None:
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     try:
-        return AutoConfig.from_pretrained(cfg.path)
+        return AutoConfig.from_pretrained(builtin.local_dir(cfg.path))
     except (OSError, ValueError) as err:
         raise EngineConfigError(
             f"cannot load model.path {cfg.path!r}: {err}. Give a local Hugging Face model directory "
-            "(config.json + weights), a hub name this machine can download, or builtin:tiny-llama"
+            f"(config.json + weights), a hub name this machine can download, or one of "
+            f"{', '.join(builtin.PREFIX + n for n in builtin.NAMES)}"
         ) from None
 
 
 def build_model(cfg: ModelConfig, role: str = "actor", *, meta: bool = False) -> nn.Module:
     """The model of one role: loaded from ``cfg.path`` on the CPU, or (``meta=True``, and for
-    built-in random models) built from the config alone; identical on every rank."""
+    random built-in models) built from the config alone; identical on every rank."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     assert role in ROLES, role
     torch.manual_seed(cfg.seed)  # built-in random weights and the value head: the same on every rank
     config = hf_config(cfg)
     config.attention_dropout = 0.0
-    from_config = meta or cfg.path.startswith("builtin:")
+    from_config = meta or builtin.random_config(cfg.path) is not None
+    source = builtin.local_dir(cfg.path)
     with torch.device("meta") if meta else contextlib.nullcontext():
         if role == "critic":
             if from_config:
                 backbone = AutoModel.from_config(config, dtype=cfg.torch_dtype)
             else:
-                backbone = AutoModel.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
+                backbone = AutoModel.from_pretrained(source, dtype=cfg.torch_dtype)
             model: nn.Module = ValueModel(backbone, config.hidden_size).to(cfg.torch_dtype)
             use_tree_attention(backbone)
         else:
             if from_config:
                 model = AutoModelForCausalLM.from_config(config, dtype=cfg.torch_dtype)
             else:
-                model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=cfg.torch_dtype)
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=cfg.torch_dtype)
             use_tree_attention(model)
     if cfg.gradient_checkpointing:
         target = model.backbone if isinstance(model, ValueModel) else model
@@ -271,7 +259,7 @@ class FSDPEngine(Engine):
         self.attention = resolve(name, layout.device, needs_grad=optim_cfg is not None)
         # Fails early with the packer's message when max_tokens_per_mb does not fit the alignment.
         self._pack_config(tree=True)
-        if layout.world_size > 1 and not model_cfg.path.startswith("builtin:"):
+        if layout.world_size > 1 and builtin.random_config(model_cfg.path) is None:
             self.model = load_sharded(model_cfg, role, layout)
         else:
             self.model = parallelize(build_model(model_cfg, role), layout, model_cfg).to(layout.device)

@@ -78,32 +78,35 @@ class LocalRollout(RolloutClient):
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
         import torch
 
-        out: list[Generation | None] = [None] * len(prompts)
-        by_len: dict[int, list[int]] = {}
-        for i, p in enumerate(prompts):
-            by_len.setdefault(len(p), []).append(i)
+        if not prompts:
+            return []
         gen = torch.Generator().manual_seed(seed)
         was_training = self.model.training
         self.model.eval()
         try:
-            for length in sorted(by_len):  # equal lengths batch without padding
-                idx = by_len[length]
-                batch = self._sample([prompts[i] for i in idx], params, gen)
-                for i, g in zip(idx, batch, strict=True):
-                    out[i] = g
+            return self._sample(list(prompts), params, gen)
         finally:
             self.model.train(was_training)
-        return [g for g in out if g is not None]
 
     def _sample(self, prompts: list[list[int]], params: SamplingParams, gen: Any) -> list[Generation]:
+        """All prompts in one batch, left-padded: every row's last prompt token sits in the
+        last column, pads are masked out and positions count real tokens only, so each row
+        sees exactly what it would see alone."""
         import torch
 
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids_BT = torch.zeros(b, width, dtype=torch.long)
+        mask_BT = torch.zeros(b, width, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids_BT[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask_BT[r, width - len(p) :] = 1
+        ids_BT, mask_BT = ids_BT.to(self.device), mask_BT.to(self.device)
+        pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
         with torch.no_grad():
-            ids_BT = torch.tensor(prompts, dtype=torch.long, device=self.device)
-            res = self.model(input_ids=ids_BT, use_cache=True)
+            res = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=True)
             cache = _cache_of(res)
             logits_BV = res.logits[:, -1].float()
-            b = ids_BT.shape[0]
+            pos_B1 = pos_BT[:, -1:]
             toks: list[list[int]] = [[] for _ in range(b)]
             lps: list[list[float]] = [[] for _ in range(b)]
             done = [False] * b
@@ -125,7 +128,16 @@ class LocalRollout(RolloutClient):
                         done[r], reasons[r] = True, "stop"
                 if all(done) or step == params.max_new_tokens - 1:
                     break
-                res = self.model(input_ids=next_B[:, None].to(self.device), use_cache=True, **{self._cache_kw: cache})
+                # Finished rows keep decoding (their tokens are dropped): the batch keeps one shape.
+                mask_BT = torch.cat([mask_BT, torch.ones_like(mask_BT[:, :1])], dim=1)
+                pos_B1 = pos_B1 + 1
+                res = self.model(
+                    input_ids=next_B[:, None].to(self.device),
+                    attention_mask=mask_BT,
+                    position_ids=pos_B1,
+                    use_cache=True,
+                    **{self._cache_kw: cache},
+                )
                 cache = _cache_of(res)
                 logits_BV = res.logits[:, -1].float()
         return [Generation(tokens=t, logprobs=lp, finish_reason=r) for t, lp, r in zip(toks, lps, reasons, strict=True)]

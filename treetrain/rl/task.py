@@ -5,14 +5,20 @@ response, and answers with the next user turn (or ``None`` when it is over) and 
 reward. Every turn becomes one training sample holding the whole conversation so far, so
 the samples of one episode, and of the episodes that share the system prompt, form a tree.
 
+Built-in: ``builtin:arithmetic`` (text, through the model's tokenizer and chat template; the
+embedded default) and ``builtin:parity`` (raw token ids, for models without a tokenizer).
+
 User tasks plug in through ``trainer.task: "package.module:function"``: the function takes
-the ``trainer.taskArgs`` mapping as keyword arguments and returns a :class:`Task`.
+the ``trainer.taskArgs`` mapping as keyword arguments (plus ``tokenizer=``, the model's
+tokenizer, when it has a parameter of that name) and returns a :class:`Task`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,11 +106,130 @@ class ParityTask:
         return ParityEpisode(task=self, rng=random.Random(seed))
 
 
-BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"parity": ParityTask}
+class ChatTemplate:
+    """Renders a conversation turn by turn, in token ids, with a tokenizer's chat template.
+
+    The policy's replies are its own sampled tokens, so a conversation is built by appending:
+    the first prompt (system + user + the assistant header), then after each reply the text
+    that closes it and the next user turn. Both pieces come from the template itself, by
+    rendering a short conversation and cutting it where a turn starts or a reply ends.
+    """
+
+    _MARK = "\u00a7"  # a stand-in reply, to find where a reply ends in the rendered text
+
+    def __init__(self, tokenizer: Any, system: str) -> None:
+        self.tokenizer = tokenizer
+        self.system = system
+        render = self._render
+        system_only = render([("system", system)], prompt=False)
+        with_user = render([("system", system), ("user", "x")], prompt=True)
+        if not with_user.startswith(system_only):
+            raise TaskError("the tokenizer's chat template does not render turns incrementally; use builtin:parity")
+        replied = render([("system", system), ("user", "x"), ("assistant", self._MARK)], prompt=False)
+        self._reply_end = replied[replied.index(self._MARK) + len(self._MARK) :]
+        self._eos_text = tokenizer.eos_token or ""
+        self._system_only_len = len(system_only)
+
+    def _render(self, turns: list[tuple[str, str]], *, prompt: bool) -> str:
+        messages = [{"role": role, "content": content} for role, content in turns]
+        text: str = self.tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def first(self, user: str) -> list[int]:
+        return self.encode(self._render([("system", self.system), ("user", user)], prompt=True))
+
+    def next(self, user: str, reply: list[int]) -> list[int]:
+        """What follows a reply: its closing text (less the end token the policy already
+        sampled, when it stopped on it) and the next user turn with the assistant header."""
+        user_turn = self._render([("system", self.system), ("user", user)], prompt=True)[self._system_only_len :]
+        closing = self._reply_end
+        if reply and reply[-1] == self.tokenizer.eos_token_id and closing.startswith(self._eos_text):
+            closing = closing[len(self._eos_text) :]
+        return self.encode(closing + user_turn)
+
+    def decode(self, ids: list[int]) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
 
-def load_task(spec: str, args: dict[str, Any]) -> Task:
-    """``builtin:parity`` or ``package.module:function``; ``args`` become keyword arguments."""
+ARITHMETIC_SYSTEM = (
+    "You are a quick calculator in a quiz. The user asks one sum at a time. "
+    "Answer each question with the result only, as digits, with no words."
+)
+
+
+@dataclass
+class ArithmeticEpisode:
+    task: ArithmeticTask
+    rng: random.Random
+    turn: int = 0
+    _answer: int = 0
+
+    def _question(self) -> str:
+        a, b = (self.rng.randint(1, self.task.max_operand) for _ in range(2))
+        self._answer = a + b
+        return f"What is {a} + {b}?"
+
+    def prompt(self) -> list[int]:
+        return self.task.chat.first(self._question())
+
+    def respond(self, response: list[int]) -> tuple[list[int] | None, float]:
+        reward = self.task.score(self.task.chat.decode(response), self._answer)
+        self.turn += 1
+        if self.turn >= self.task.turns:
+            return None, reward
+        return self.task.chat.next(self._question(), response), reward
+
+
+@dataclass
+class ArithmeticTask:
+    """Built-in, in text: a quiz session of ``turns`` sums (``What is 7 + 5?``), one user turn
+    each, under one shared system prompt, rendered with the model's chat template; every turn
+    is one sample holding the whole session so far, so sessions form trees the way agent
+    traces do. A reply scores 1 when the sum is its only number, 0.5 when the sum is among
+    other numbers (``7 + 5 = 12``), else 0."""
+
+    tokenizer: Any
+    turns: int = 3
+    max_operand: int = 9
+    max_new_tokens: int = 16
+    system: str = ARITHMETIC_SYSTEM
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "max_operand", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TaskError(f"taskArgs.{name} must be a positive integer, got {value!r}")
+        self.chat = ChatTemplate(self.tokenizer, self.system)
+        self.vocab_size = len(self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        self.stop_token_ids: tuple[int, ...] = (eos,) if eos is not None else ()
+
+    @staticmethod
+    def score(reply: str, answer: int) -> float:
+        numbers = [int(n) for n in re.findall(r"-?\d+", reply)]
+        if answer not in numbers:
+            return 0.0
+        return 1.0 if len(numbers) == 1 else 0.5
+
+    def episode(self, seed: int) -> ArithmeticEpisode:
+        return ArithmeticEpisode(task=self, rng=random.Random(seed))
+
+
+BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "parity": ParityTask}
+# Built-in tasks in text: they need the model's tokenizer.
+TEXT_TASKS = frozenset({"arithmetic"})
+
+
+def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] | None = None) -> Task:
+    """``builtin:NAME`` or ``package.module:function``; ``args`` become keyword arguments.
+    Tasks that take a ``tokenizer`` get ``get_tokenizer()`` (the model's; None for models
+    without one), loaded only for them."""
+    tokenizer = get_tokenizer if get_tokenizer is not None else (lambda: None)
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_TASKS:
@@ -114,6 +239,13 @@ def load_task(spec: str, args: dict[str, Any]) -> Task:
         factory = BUILTIN_TASKS[name]
         # Built-in tasks take camelCase keys too, like the rest of the config.
         args = {"".join("_" + c.lower() if c.isupper() else c for c in k): v for k, v in args.items()}
+        if name in TEXT_TASKS:
+            args = {**args, "tokenizer": tokenizer()}
+            if args["tokenizer"] is None:
+                raise TaskError(
+                    f"task {spec!r} is text and needs a model with a tokenizer (e.g. model.path: "
+                    "builtin:smollm2-135m); random built-in models have none: use builtin:parity with them"
+                )
     else:
         module_name, sep, attr = spec.partition(":")
         if not sep or not module_name or not attr:
@@ -126,11 +258,21 @@ def load_task(spec: str, args: dict[str, Any]) -> Task:
         if not callable(found):
             raise TaskError(f"{module_name!r} has no callable {attr!r}")
         factory = found
+        if "tokenizer" in _parameters(factory) and "tokenizer" not in args:
+            args = {**args, "tokenizer": tokenizer()}
     try:
         task = factory(**args)
     except TypeError as err:
-        raise TaskError(f"task {spec!r} rejected taskArgs {sorted(args)}: {err}") from None
+        given = sorted(k for k in args if k != "tokenizer")
+        raise TaskError(f"task {spec!r} rejected taskArgs {given}: {err}") from None
     for field in ("vocab_size", "max_new_tokens", "episode"):
         if not hasattr(task, field):
             raise TaskError(f"task {spec!r} returned {type(task).__name__}, which lacks {field!r}")
     return task
+
+
+def _parameters(factory: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):  # some builtins have no signature
+        return set()

