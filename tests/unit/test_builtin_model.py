@@ -61,6 +61,14 @@ def empty_cache(tmp_path: Path) -> Iterator[Path]:
             os.environ["TREETRAIN_CACHE"] = old
 
 
+def test_an_unwritable_cache_names_the_setting_to_change(empty_cache: Path) -> None:
+    blocker = empty_cache / "not-a-dir"
+    blocker.write_text("")
+    os.environ["TREETRAIN_CACHE"] = str(blocker)
+    with pytest.raises(EngineConfigError, match=r"cannot write the model cache .*set TREETRAIN_CACHE"):
+        builtin.local_dir(SMOL)
+
+
 @pytest.mark.slow
 def test_smollm2_converts_once_and_equals_the_gguf_model(empty_cache: Path) -> None:
     from transformers import AutoModelForCausalLM
@@ -68,6 +76,7 @@ def test_smollm2_converts_once_and_equals_the_gguf_model(empty_cache: Path) -> N
     lines: list[str] = []
     directory = Path(builtin.local_dir(SMOL, lines.append))
     assert directory.parent == empty_cache / "models"
+    assert directory.name == "smollm2-135m-0.1.2-98362432"  # release + file size: shared by every venv
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in directory.iterdir()}
     assert lines[0].startswith("model: converting SmolLM2-135M-Instruct") and lines[1].startswith("model: converted")
     start = time.perf_counter()

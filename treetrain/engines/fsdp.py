@@ -192,9 +192,10 @@ def _apply_tp(model: nn.Module, layout: ParallelLayout) -> None:
     tp = layout.tp
     heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", config.num_attention_heads)
     if heads % tp or kv_heads % tp or config.intermediate_size % tp:
+        sizes = [t for t in range(1, kv_heads + 1) if not (heads % t or kv_heads % t or config.intermediate_size % t)]
         raise EngineConfigError(
             f"t{tp} must divide the attention heads ({heads}), key/value heads ({kv_heads}) "
-            f"and MLP width ({config.intermediate_size}) of the model"
+            f"and MLP width ({config.intermediate_size}) of the model; fix: t in {{{', '.join(map(str, sizes))}}}"
         )
     # Column-parallel q/k/v and gate/up leave each rank its own heads / MLP slice; the
     # row-parallel o/down projections all-reduce back to a replicated hidden state, so the
