@@ -12,8 +12,9 @@ What runs, all on this machine (loopback only):
   RLJobs: two that run, one whose trainer fails until it is Failed, one too big to schedule, one
   suspended. Its /metrics is scraped as the ServiceMonitor would (honouring its labels).
 - Two real ``treetrain train`` runs on the CPU standing in for the trainer pods of the two
-  running RLJobs: the embedded default job (a tiny random Llama, the built-in multi-turn task,
-  local rollout, GRPO, tree packing) and a variant with more turns and larger groups. Each
+  running RLJobs: the embedded default job (SmolLM2-135M-Instruct, the built-in multi-turn
+  arithmetic quiz, local rollout, GRPO, tree packing) and a variant with more turns and larger
+  groups, one torch thread each. Each
   serves its /metrics on a loopback port; the scraper adds the labels the PodMonitor would add
   (namespace, rljob, component, pod).
 
@@ -27,6 +28,7 @@ import argparse
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -42,8 +44,10 @@ FAIL = {"sim.treetrain.dev/fail": "true"}
 # ---------------------------------------------------------------------------
 # The trainers
 
-# Overrides of the embedded default job for the second RLJob: longer conversations, larger groups.
-VARIANT: dict[str, Any] = {"trainer": {"taskArgs": {"turns": 6}, "groupsPerStep": 6, "groupSize": 8}}
+# Overrides of the embedded default job: one torch thread each (two trainers share the cores; more
+# threads than cores make OpenMP spin), and for the second RLJob longer conversations, larger groups.
+COMMON: dict[str, Any] = {"trainer": {"threads": 1}}
+VARIANT: dict[str, Any] = {"trainer": {"threads": 1, "taskArgs": {"turns": 5}, "groupsPerStep": 4, "groupSize": 6}}
 
 
 def trainer_argv(variant: bool, port: int, workdir: Path) -> list[str]:
@@ -51,17 +55,15 @@ def trainer_argv(variant: bool, port: int, workdir: Path) -> list[str]:
 
     from treetrain.trainer.config import embedded_default
 
-    argv = [str(Path(sys.executable).parent / "treetrain"), "train"]
-    if variant:
-        config = embedded_default()
-        for section, values in VARIANT.items():
-            for key, value in values.items():
-                merged = {**config[section][key], **value} if isinstance(value, dict) else value
-                config[section][key] = merged
-        path = workdir / "variant.yaml"
-        path.write_text(yaml.safe_dump(config))
-        argv.append(str(path))
+    config = embedded_default()
+    for section, values in (VARIANT if variant else COMMON).items():
+        for key, value in values.items():
+            merged = {**config[section][key], **value} if isinstance(value, dict) else value
+            config[section][key] = merged
     name = "variant" if variant else "default"
+    path = workdir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = [str(Path(sys.executable).parent / "treetrain"), "train", str(path)]
     return [*argv, "--steps", "100000", "--no-compare", "--metrics-port", str(port),
             "--checkpoint-dir", str(workdir / f"checkpoints-{name}")]  # fmt: skip
 
@@ -168,7 +170,8 @@ def main() -> int:
     ]  # fmt: skip
     targets = [(f"http://127.0.0.1:{metrics}/metrics", {})]
     workdir = args.out.parent / "capture-work"
-    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh start: no checkpoints of an earlier capture to resume
+    workdir.mkdir(parents=True)
     for rljob_name, variant in (("agent-demo", False), ("grpo-demo", True)):
         port = free_port()
         log = (workdir / f"{rljob_name}.log").open("w")

@@ -227,6 +227,36 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     t2.close()
 
 
+def test_a_checkpoint_of_another_model_is_refused_with_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    ckpt = tmp_path / "ckpt"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(small(ckpt, steps=2)))
+    assert main(["train", str(path)]) == 0
+    other = tmp_path / "three-layers"
+    fields = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4}
+    AutoModelForCausalLM.from_config(LlamaConfig(**fields, num_hidden_layers=3, num_key_value_heads=2)).save_pretrained(
+        other
+    )
+    path.write_text(yaml.safe_dump(_merge(small(ckpt, steps=3), {"model": {"path": str(other)}})))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "was written for model 'builtin:tiny-llama'" in err and "give this run a new checkpoint.dir" in err
+    assert "Traceback" not in err
+
+    # A checkpoint without the model's name (older releases) still fails in one line, not a traceback.
+    meta_path = ckpt / "step-00000002" / "actor-rank0.pt"
+    meta = torch.load(meta_path, weights_only=False)
+    del meta["model"]
+    torch.save(meta, meta_path)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume the actor from checkpoint" in err and "Traceback" not in err
+
+
 def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
     import signal
 

@@ -426,27 +426,41 @@ class FSDPEngine(Engine):
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
-        torch.save(
-            {"steps": self.steps, "rng": rng, "extra": dict(extra)}, path / f"{self.role}-rank{self.layout.rank}.pt"
-        )
+        meta = {"steps": self.steps, "rng": rng, "extra": dict(extra), "model": self.model_cfg.path}
+        torch.save(meta, path / f"{self.role}-rank{self.layout.rank}.pt")
 
     def load(self, path: Path) -> dict[str, Any]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-        if self.layout.world_size > 1:
-            state = self._state()
-            dcp.load(state, checkpoint_id=str(path / self.role))
-        else:
-            state = torch.load(path / f"{self.role}.pt", weights_only=False)
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state["model"])
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         own = path / f"{self.role}-rank{self.layout.rank}.pt"
         if not own.exists():
             raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
         meta = torch.load(own, weights_only=False)
+        saved_model = meta.get("model", self.model_cfg.path)  # older checkpoints lack it
+        if saved_model != self.model_cfg.path:
+            raise EngineConfigError(
+                f"checkpoint {path} was written for model {saved_model!r}, but this run trains "
+                f"{self.model_cfg.path!r}; fix: give this run a new checkpoint.dir (or set model.path back)"
+            )
+        try:
+            if self.layout.world_size > 1:
+                state = self._state()
+                dcp.load(state, checkpoint_id=str(path / self.role))
+            else:
+                state = torch.load(path / f"{self.role}.pt", weights_only=False)
+            if self.optimizer is None:
+                set_model_state_dict(self.model, state["model"])
+            else:
+                set_state_dict(
+                    self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
+        except (RuntimeError, KeyError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise EngineConfigError(
+                f"cannot resume the {self.role} from checkpoint {path}: {first}; fix: give this run a new "
+                "checkpoint.dir if that checkpoint belongs to another model or layout"
+            ) from None
         self.steps = int(meta["steps"])
         random.setstate(meta["rng"]["python"])
         torch.set_rng_state(meta["rng"]["torch"])
