@@ -199,8 +199,13 @@ def main() -> int:
                 time.sleep(2.0)
     finally:
         for proc in procs:
-            proc.terminate()
-            proc.wait(30)
+            proc.terminate()  # a trainer finishes its step on SIGTERM: a minute or two for the variant
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     print(f"wrote {args.out}")
     return 0
 
