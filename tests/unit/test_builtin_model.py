@@ -188,3 +188,12 @@ def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> 
         torch.testing.assert_close(torch.tensor(gen.logprobs), alone, atol=1e-5, rtol=0)
     again = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
     assert [g.tokens for g in again] == [g.tokens for g in gens]  # the seed fixes the samples
+
+
+def test_a_user_task_that_requires_a_tokenizer_refuses_a_model_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "needs_tok.py").write_text("def make(tokenizer):\n    raise AssertionError('never called')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match="'needs_tok:make' works on text and needs a model with a tokenizer"):
+        load_task("needs_tok:make", {}, lambda: None)

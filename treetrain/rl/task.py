@@ -19,7 +19,7 @@ import importlib
 import inspect
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -221,15 +221,12 @@ class ArithmeticTask:
 
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "parity": ParityTask}
-# Built-in tasks in text: they need the model's tokenizer.
-TEXT_TASKS = frozenset({"arithmetic"})
 
 
 def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] | None = None) -> Task:
     """``builtin:NAME`` or ``package.module:function``; ``args`` become keyword arguments.
     Tasks that take a ``tokenizer`` get ``get_tokenizer()`` (the model's; None for models
-    without one), loaded only for them."""
-    tokenizer = get_tokenizer if get_tokenizer is not None else (lambda: None)
+    without one), loaded only for them; a task that requires one refuses a model without."""
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         if name not in BUILTIN_TASKS:
@@ -239,13 +236,6 @@ def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] 
         factory = BUILTIN_TASKS[name]
         # Built-in tasks take camelCase keys too, like the rest of the config.
         args = {"".join("_" + c.lower() if c.isupper() else c for c in k): v for k, v in args.items()}
-        if name in TEXT_TASKS:
-            args = {**args, "tokenizer": tokenizer()}
-            if args["tokenizer"] is None:
-                raise TaskError(
-                    f"task {spec!r} is text and needs a model with a tokenizer (e.g. model.path: "
-                    "builtin:smollm2-135m); random built-in models have none: use builtin:parity with them"
-                )
     else:
         module_name, sep, attr = spec.partition(":")
         if not sep or not module_name or not attr:
@@ -258,8 +248,15 @@ def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] 
         if not callable(found):
             raise TaskError(f"{module_name!r} has no callable {attr!r}")
         factory = found
-        if "tokenizer" in _parameters(factory) and "tokenizer" not in args:
-            args = {**args, "tokenizer": tokenizer()}
+    takes = _parameters(factory)
+    if "tokenizer" in takes and "tokenizer" not in args:
+        tokenizer = get_tokenizer() if get_tokenizer is not None else None
+        if tokenizer is None and takes["tokenizer"].default is inspect.Parameter.empty:
+            raise TaskError(
+                f"task {spec!r} works on text and needs a model with a tokenizer (e.g. model.path: "
+                "builtin:smollm2-135m); random built-in models have none: use builtin:parity with them"
+            )
+        args = {**args, "tokenizer": tokenizer}
     try:
         task = factory(**args)
     except TypeError as err:
@@ -271,8 +268,8 @@ def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] 
     return task
 
 
-def _parameters(factory: Callable[..., Any]) -> set[str]:
+def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
     try:
-        return set(inspect.signature(factory).parameters)
+        return inspect.signature(factory).parameters
     except (TypeError, ValueError):  # some builtins have no signature
-        return set()
+        return {}
