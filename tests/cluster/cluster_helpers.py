@@ -7,13 +7,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
+def wait_for(what: str, check: Callable[[], T | None], timeout: float = 60.0) -> T:
     """Poll ``check`` until it returns something truthy; fail naming ``what`` and the last value."""
     deadline = time.monotonic() + timeout
-    last: Any = None
+    last: T | None = None
     while time.monotonic() < deadline:
         last = check()
         if last:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import pytest
+from cluster_helpers import wait_for
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -24,16 +25,15 @@ GPU = "nvidia.com/gpu"
 TIMEOUT = 60.0
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = TIMEOUT) -> T:
-    """Poll `probe` until it returns something truthy; fail with `what` and the last value."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last saw: {last!r}")
+def job_with_condition(batch: client.BatchV1Api, ns: str, name: str, condition: str) -> client.V1Job:
+    """Wait until Job ``name`` has ``condition`` (Complete, Failed) true; return its status."""
+
+    def probe() -> client.V1Job | None:
+        job = batch.read_namespaced_job_status(name, ns)
+        conditions = job.status.conditions or []
+        return job if any(c.type == condition and c.status == "True" for c in conditions) else None
+
+    return wait_for(f"Job {name} {condition}", probe, timeout=TIMEOUT)
 
 
 def maybe(read: Callable[[], T]) -> T | None:
@@ -108,15 +108,7 @@ def test_indexed_gpu_job_is_scheduled_runs_and_completes(cluster: Cluster, names
         assert ipaddress.ip_address(pod.status.pod_ip).is_loopback, pod.status.pod_ip
         assert all(s.ready for s in pod.status.container_statuses)
 
-    done = wait_for(
-        "Job trainer Complete",
-        lambda: (
-            j
-            if (j := batch.read_namespaced_job_status("trainer", namespace)).status.conditions
-            and any(c.type == "Complete" and c.status == "True" for c in j.status.conditions)
-            else None
-        ),
-    )
+    done = job_with_condition(batch, namespace, "trainer", "Complete")
     assert done.status.succeeded == 4
     assert done.status.completed_indexes == "0-3"
     assert set(pod_phases(core, namespace, "app=trainer").values()) == {"Succeeded"}
@@ -182,15 +174,7 @@ def test_job_with_failing_pod_fails(cluster: Cluster, namespace: str) -> None:
         spec=client.V1JobSpec(backoff_limit=0, template=template),
     )
     batch.create_namespaced_job(namespace, job)
-    failed = wait_for(
-        "Job doomed Failed",
-        lambda: (
-            j
-            if (j := batch.read_namespaced_job_status("doomed", namespace)).status.conditions
-            and any(c.type == "Failed" and c.status == "True" for c in j.status.conditions)
-            else None
-        ),
-    )
+    failed = job_with_condition(batch, namespace, "doomed", "Failed")
     assert failed.status.failed == 1
 
 
