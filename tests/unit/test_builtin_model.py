@@ -190,6 +190,73 @@ def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> 
     assert [g.tokens for g in again] == [g.tokens for g in gens]  # the seed fixes the samples
 
 
+def _score_alone(model: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-probs of ``tokens`` after ``prompt`` from one plain forward of the sequence alone."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    n = len(prompt)
+    return logp[n - 1 : n - 1 + len(tokens)].gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def test_the_next_turn_reads_only_its_new_tokens_and_scores_exactly() -> None:
+    """Multi-turn local rollout keeps its KV cache between the turns of a batch: a group's
+    identical prompts are read once, the next turn reads only the reply's unread tail and the
+    new user turn, and the log-probs still equal a plain forward of each whole sequence, also
+    for rows that stopped early (their padding decode steps are masked out of the cache)."""
+    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=tuple(range(0, 512, 6)))  # ~1 in 6 stops
+    a, b = [1, *range(10, 19)], [1, *range(40, 44)]
+    first = [a, a, a, b, b, b]  # two groups of three samples
+    rollout = LocalRollout(model, torch.device("cpu"))
+    gens = rollout.generate(first, params, seed=11)
+    assert rollout.prompt_tokens_read == len(a) + len(b)
+    lengths = [len(g.tokens) for g in gens]
+    assert min(lengths) < 6 and max(lengths) == 6, lengths  # some rows stopped early, some ran on
+
+    user_turns = [[2, *range(100, 100 + k)] for k in (1, 5, 2, 7, 3, 4)]
+    second = [p + g.tokens + u for p, g, u in zip(first, gens, user_turns, strict=True)]
+    before = rollout.prompt_tokens_read
+    again = rollout.generate(second, params, seed=12)
+    read = rollout.prompt_tokens_read - before
+    # Each row reads its user turn, plus its last sampled token when that was never fed back.
+    assert sum(map(len, user_turns)) <= read <= sum(map(len, user_turns)) + len(second) < sum(map(len, second)) // 2
+    for prompt, gen in zip(second, again, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(gen.logprobs), _score_alone(model, prompt, gen.tokens), atol=1e-5, rtol=0
+        )
+    fresh = LocalRollout(model, torch.device("cpu")).generate(second, params, seed=12)
+    assert [g.tokens for g in fresh] == [g.tokens for g in again]  # the same samples as without the cache
+
+
+def test_changed_weights_or_unrelated_prompts_read_everything_again() -> None:
+    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    params = SamplingParams(max_new_tokens=4)
+    prompts = [[1, *range(10, 20)], [1, *range(30, 36)]]
+    rollout = LocalRollout(model, torch.device("cpu"))
+    gens = rollout.generate(prompts, params, seed=1)
+    longer = [p + g.tokens + [3, 4] for p, g in zip(prompts, gens, strict=True)]
+
+    loss = model(input_ids=torch.tensor([prompts[0]])).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    torch.optim.AdamW(model.parameters(), lr=1e-2).step()  # an optimizer step: the cache is stale
+    before = rollout.prompt_tokens_read
+    after_step = rollout.generate(longer, params, seed=2)
+    assert rollout.prompt_tokens_read - before == sum(map(len, longer))
+    for prompt, gen in zip(longer, after_step, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(gen.logprobs), _score_alone(model, prompt, gen.tokens), atol=1e-5, rtol=0
+        )
+
+    unrelated = [[1, 2, 3], *longer]  # one prompt extends nothing kept: a full read
+    before = rollout.prompt_tokens_read
+    rollout.generate(unrelated, params, seed=3)
+    assert rollout.prompt_tokens_read - before == sum(map(len, unrelated))
+    rollout.forget()
+    before = rollout.prompt_tokens_read
+    rollout.generate(longer, params, seed=4)
+    assert rollout.prompt_tokens_read - before == sum(map(len, longer))
+
+
 def test_a_user_task_that_requires_a_tokenizer_refuses_a_model_without_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
