@@ -83,7 +83,7 @@ class LocalRollout(RolloutClient):
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._kept: _KeptCache | None = None
-        self.prompt_tokens_read = 0  # prompt tokens the model has run (a test and a benchmark read it)
+        self.prompt_tokens_read = 0  # prompt tokens the model has run (the tests read it)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
         import torch
@@ -97,11 +97,10 @@ class LocalRollout(RolloutClient):
         was_training = self.model.training
         self.model.eval()
         try:
+            rows = list(prompts)
             with torch.no_grad():
-                start = (self._extend(kept, list(prompts)) if kept is not None else None) or self._prefill(
-                    list(prompts)
-                )
-                gens, self._kept = self._decode(list(prompts), start, params, gen)
+                start = (self._extend(kept, rows) if kept is not None else None) or self._prefill(rows)
+                gens, self._kept = self._decode(rows, start, params, gen)
             return gens
         finally:
             self.model.train(was_training)
