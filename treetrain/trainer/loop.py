@@ -268,26 +268,24 @@ class Trainer:
         active = list(range(len(episodes)))
         samples: list[Sample] = []
         turn = 0
-        try:
-            while active:
-                gens = self._generate([history[i] for i in active], params, _seed(t.seed, step, 1_000_003, turn))
-                still = []
-                for i, gen in zip(active, gens, strict=True):
-                    tokens = history[i] + gen.tokens
-                    samples.append(
-                        Sample(episode=i, tokens=tokens, prompt_len=len(history[i]), behav_logprobs=gen.logprobs)
-                    )
-                    nxt, reward = episodes[i].respond(list(gen.tokens))
-                    totals[i] += reward
-                    turns[i] += 1
-                    if nxt is not None:
-                        history[i] = tokens + list(nxt)
-                        still.append(i)
-                active = still
-                turn += 1
-        finally:
-            if self.client is not None:
-                self.client.forget()  # local rollout's KV cache: training needs the memory
+        while active:
+            gens = self._generate([history[i] for i in active], params, _seed(t.seed, step, 1_000_003, turn))
+            still = []
+            for i, gen in zip(active, gens, strict=True):
+                tokens = history[i] + gen.tokens
+                samples.append(
+                    Sample(episode=i, tokens=tokens, prompt_len=len(history[i]), behav_logprobs=gen.logprobs)
+                )
+                nxt, reward = episodes[i].respond(list(gen.tokens))
+                totals[i] += reward
+                turns[i] += 1
+                if nxt is not None:
+                    history[i] = tokens + list(nxt)
+                    still.append(i)
+            active = still
+            turn += 1
+        if self.client is not None:
+            self.client.forget()  # local rollout's KV cache: training needs the memory
         rewards = [total / max(n, 1) for total, n in zip(totals, turns, strict=True)]
         return Rollouts(samples=samples, rewards=rewards, groups=groups)
 
