@@ -446,7 +446,7 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())  # host sync: once per step
 
-    def compare(self, repeat: int = 3) -> Comparison:
+    def compare(self, repeat: int) -> Comparison:
         """Train the same batches tree-packed and flat (gradients thrown away).
 
         One burn-in pass per mode (the flat micro-batches have shapes training never ran:
