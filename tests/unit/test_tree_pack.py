@@ -168,14 +168,6 @@ def test_sequence_errors_name_the_sequence() -> None:
         pack([[1], [2], []], config)
 
 
-def test_unsupported_microbatch_options_warn() -> None:
-    with pytest.warns(UserWarning, match="n_mbs, packing_algorithm have no effect"):
-        config = PackConfig.from_microbatch_spec({"max_tokens_per_mb": 256, "n_mbs": 4, "packing_algorithm": "ffd"})
-    assert config.max_tokens_per_mb == 256
-    with pytest.raises(PackingError, match="unknown micro-batch option"):
-        PackConfig.from_microbatch_spec({"max_tokens_per_mb": 256, "max_tokens": 3})
-
-
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
 def test_ranks_are_balanced(dp: int) -> None:
     seqs = _grpo(random.Random(dp), groups=7, prompt=50, response=30, n=5)
@@ -197,14 +189,12 @@ def test_empty_trees_only_when_nothing_can_split() -> None:
     assert all(t.padded_len == 32 for t in empty), "an empty tree is one alignment unit, not max_tokens_per_mb"
 
 
-def test_pack_values_and_unpack() -> None:
+def test_unpack_restores_input_order() -> None:
     seqs = [[1, 2, 3], [4, 5], [1, 2, 6, 7]]
     batch = pack(seqs, PackConfig(max_tokens_per_mb=128))
     values = [[f"s{i}t{j}" for j in range(len(s))] for i, s in enumerate(seqs)]
-    flat = batch.pack_values(0, values)
-    assert sorted(flat) == sorted(v for vs in values for v in vs)
     tree = batch.trees[0]
-    per_seq = [flat[tree.seq_offsets[k] : tree.seq_offsets[k + 1]] for k in range(len(tree.seq_ids))]
+    per_seq = [values[i] for i in tree.seq_ids]  # layout order
     assert batch.unpack([per_seq]) == values
 
 

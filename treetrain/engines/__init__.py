@@ -1,23 +1,32 @@
-"""Training engines: one interface (:class:`Engine`), the FSDP engine now; Megatron and Archon later."""
+"""Training engines behind one interface (:class:`Engine`) and one factory (:func:`build_engine`).
 
-from treetrain.engines.base import (
-    Engine,
-    EngineConfigError,
-    Loss,
-    MicroBatchOutput,
-    OptimConfig,
-    StepStats,
-    TrainBatch,
-    TreeTrainingConfig,
-)
+Importing this package stays torch-free (config validation reads :mod:`.builtin` and
+:mod:`.errors`); the torch-backed names load on first use.
+"""
 
-__all__ = [
-    "Engine",
-    "EngineConfigError",
-    "Loss",
-    "MicroBatchOutput",
-    "OptimConfig",
-    "StepStats",
-    "TrainBatch",
-    "TreeTrainingConfig",
-]
+from typing import TYPE_CHECKING, Any
+
+from treetrain.engines.errors import EngineConfigError
+
+if TYPE_CHECKING:
+    from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch
+    from treetrain.engines.factory import build_engine
+
+_LAZY = {
+    "Engine": "treetrain.engines.base",
+    "Loss": "treetrain.engines.base",
+    "MicroBatchOutput": "treetrain.engines.base",
+    "StepStats": "treetrain.engines.base",
+    "TrainBatch": "treetrain.engines.base",
+    "build_engine": "treetrain.engines.factory",
+}
+
+__all__ = ["Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "build_engine"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'treetrain.engines' has no attribute {name!r}")

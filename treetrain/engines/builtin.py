@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treetrain.engines.base import EngineConfigError
+from treetrain.engines.errors import EngineConfigError
 
 PREFIX = "builtin:"
 

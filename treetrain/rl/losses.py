@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from treetrain.config import LossSettings, ValueLossSettings
 from treetrain.engines.base import MicroBatchOutput
 
 
 class LossConfigError(ValueError):
-    """A bad loss setting; the message says what to change."""
+    """A loss called without the inputs its settings need."""
 
 
 def group_advantages(
@@ -56,31 +56,7 @@ class PPOLoss:
     ``ref_logprobs`` (needed when ``kl_coef > 0``: the k3 estimator of KL(policy || ref)).
     """
 
-    @dataclass(kw_only=True, slots=True)
-    class Config:
-        clip_eps: float = 0.2
-        clip_eps_high: float | None = None  # asymmetric ("clip-higher") upper bound; None: clip_eps
-        dual_clip: float | None = None  # bound the loss of negative advantages at dual_clip * |A|
-        kl_coef: float = 0.0
-        entropy_coef: float = 0.0
-        behav_imp_weight_cap: float | None = 5.0
-
-        def __post_init__(self) -> None:
-            if not 0 < self.clip_eps < 1:
-                raise LossConfigError(f"clip_eps must be in (0, 1), got {self.clip_eps!r}")
-            if self.clip_eps_high is not None and self.clip_eps_high <= 0:
-                raise LossConfigError(f"clip_eps_high must be > 0, got {self.clip_eps_high!r}")
-            if self.dual_clip is not None and self.dual_clip <= 1:
-                raise LossConfigError(f"dual_clip must be > 1 (e.g. 3.0), got {self.dual_clip!r}")
-            if self.kl_coef < 0 or self.entropy_coef < 0:
-                raise LossConfigError("kl_coef and entropy_coef must be >= 0")
-            if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
-                raise LossConfigError(f"behav_imp_weight_cap must be > 1 or null, got {self.behav_imp_weight_cap!r}")
-
-        def build(self) -> PPOLoss:
-            return PPOLoss(self)
-
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: LossSettings) -> None:
         self.config = config
         self.needs_entropy = config.entropy_coef > 0
 
@@ -132,20 +108,9 @@ class PPOLoss:
 class ValueLoss:
     """Critic: ``0.5 * (V - returns)^2``, clipped around ``old_values`` when given (PPO style)."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config:
-        clip_eps: float | None = 0.2
-
-        def __post_init__(self) -> None:
-            if self.clip_eps is not None and self.clip_eps <= 0:
-                raise LossConfigError(f"value clip_eps must be > 0 or null, got {self.clip_eps!r}")
-
-        def build(self) -> ValueLoss:
-            return ValueLoss(self)
-
     needs_entropy = False
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: ValueLossSettings) -> None:
         self.config = config
 
     def __call__(

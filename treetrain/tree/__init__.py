@@ -9,7 +9,6 @@ metadata into tensors.
 
 from treetrain.tree.layout import PAD_TOKEN_ID, PackedTree, layout_tree
 from treetrain.tree.pack import (
-    UNSUPPORTED_MICROBATCH_OPTIONS,
     PackConfig,
     PackedBatch,
     PackingError,
@@ -20,7 +19,6 @@ from treetrain.tree.trie import common_prefix, trie_order
 
 __all__ = [
     "PAD_TOKEN_ID",
-    "UNSUPPORTED_MICROBATCH_OPTIONS",
     "PackConfig",
     "PackStats",
     "PackedBatch",

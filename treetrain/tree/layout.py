@@ -50,10 +50,6 @@ class PackedTree:
     seq_tokens: list[int]
 
     @property
-    def num_original_tokens(self) -> int:
-        return len(self.seq_tokens)
-
-    @property
     def num_nodes(self) -> int:
         return len(self.node_start)
 

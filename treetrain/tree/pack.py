@@ -26,9 +26,8 @@ The policy, in order (all plain Python, deterministic for the same input):
 from __future__ import annotations
 
 import math
-import warnings
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -36,9 +35,6 @@ from treetrain.tree.layout import PackedTree, layout_tree
 from treetrain.tree.trie import trie_order
 
 T = TypeVar("T")
-
-# Micro-batch options that make sense for flat packing but not for trees.
-UNSUPPORTED_MICROBATCH_OPTIONS = ("n_mbs", "granularity", "n_mbs_divisor", "packing_algorithm")
 
 
 class PackingError(ValueError):
@@ -68,34 +64,29 @@ class PackConfig:
                 f"max_tokens_per_mb must be set to a positive integer for tree packing, got {cap!r}; "
                 f"set it to a multiple of {self.alignment}, e.g. {self.alignment * 64}"
             )
-        if cap % self.alignment:
-            lower = cap // self.alignment * self.alignment
-            upper = lower + self.alignment
-            hint = f"{lower} or {upper}" if lower else f"{upper}"
-            raise PackingError(
-                f"max_tokens_per_mb ({cap}) must be a multiple of {self.alignment} "
-                f"(lcm of block_size={self.block_size} and parallel_size={self.parallel_size}); use {hint}"
-            )
+        problem = capacity_problem(cap, self.block_size, self.parallel_size)
+        if problem:
+            raise PackingError(f"max_tokens_per_mb ({cap}) {problem}")
 
     @property
     def alignment(self) -> int:
         return math.lcm(self.block_size, self.parallel_size)
 
-    @classmethod
-    def from_microbatch_spec(cls, spec: Mapping[str, Any], **overrides: Any) -> PackConfig:
-        """Build from a trainer's micro-batch options; warns about options trees ignore."""
-        ignored = sorted(k for k in UNSUPPORTED_MICROBATCH_OPTIONS if spec.get(k) not in (None, 1, ""))
-        if ignored:
-            warnings.warn(
-                f"micro-batch option(s) {', '.join(ignored)} have no effect with tree packing: "
-                "trees are filled by tree tokens up to max_tokens_per_mb",
-                UserWarning,
-                stacklevel=2,
-            )
-        unknown = sorted(set(spec) - {"max_tokens_per_mb", *UNSUPPORTED_MICROBATCH_OPTIONS})
-        if unknown:
-            raise PackingError(f"unknown micro-batch option(s): {', '.join(unknown)}")
-        return cls(max_tokens_per_mb=spec.get("max_tokens_per_mb"), **overrides)  # type: ignore[arg-type]
+
+def capacity_problem(
+    cap: int, block_size: int, parallel_size: int, *, names: tuple[str, str] = ("block_size", "parallel_size")
+) -> str | None:
+    """Why ``cap`` cannot be a micro-batch capacity (it must be a multiple of
+    ``lcm(block_size, parallel_size)``), with the nearest values that work; None if it can.
+    ``names`` are what the caller's user calls the two sizes."""
+    alignment = math.lcm(block_size, parallel_size)
+    if cap % alignment == 0:
+        return None
+    lower = cap // alignment * alignment
+    hint = f"{lower} or {lower + alignment}" if lower else f"{lower + alignment}"
+    return (
+        f"must be a multiple of {alignment} (lcm of {names[0]}={block_size} and {names[1]}={parallel_size}); use {hint}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,18 +134,6 @@ class PackedBatch:
 
     def rank_trees(self, rank: int) -> list[PackedTree]:
         return [self.trees[i] for i in self.ranks[rank]]
-
-    def pack_values(self, tree: int, values: Sequence[Sequence[T]]) -> list[T]:
-        """Concatenate per-sequence values (input order) in the layout order of ``tree``.
-
-        Use it for per-token extras (loss mask, old log-probs, advantages): they differ
-        between sequences that share tokens, so they live in the per-sequence flat layout
-        that :mod:`treetrain.logprob` returns, not in the deduplicated token layout.
-        """
-        out: list[T] = []
-        for i in self.trees[tree].seq_ids:
-            out += values[i]
-        return out
 
     def unpack(self, per_tree: Sequence[Sequence[T]]) -> list[T]:
         """Inverse of the layout order: ``per_tree[t][k]`` belongs to ``trees[t].seq_ids[k]``."""

@@ -1,0 +1,53 @@
+"""The trainer config: one torch-free schema (:mod:`.schema`) that the trainer, ``rljob plan``
+and the operator all validate with, cross-section rules (:mod:`.check`), what each engine
+runs (:mod:`.backends`), and reading YAML plus the environment (:mod:`.load`)."""
+
+from treetrain.config.backends import ENGINES, alignment_size, check_training_backend
+from treetrain.config.defaults import embedded_default
+from treetrain.config.load import ENV_OVERRIDES, ConfigError, Launch, dump_yaml, load, read_yaml, validate
+from treetrain.config.schema import (
+    DEFAULT_BLOCK_SIZE,
+    ActorSettings,
+    CheckpointSettings,
+    LossSettings,
+    MetricsSettings,
+    ModelSettings,
+    OptimizerSettings,
+    RoleSettings,
+    RolloutServer,
+    RolloutServers,
+    SamplingSettings,
+    TrainConfig,
+    TrainerSettings,
+    TreeTrainingSettings,
+    ValueLossSettings,
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "ENGINES",
+    "ENV_OVERRIDES",
+    "ActorSettings",
+    "CheckpointSettings",
+    "ConfigError",
+    "Launch",
+    "LossSettings",
+    "MetricsSettings",
+    "ModelSettings",
+    "OptimizerSettings",
+    "RoleSettings",
+    "RolloutServer",
+    "RolloutServers",
+    "SamplingSettings",
+    "TrainConfig",
+    "TrainerSettings",
+    "TreeTrainingSettings",
+    "ValueLossSettings",
+    "alignment_size",
+    "check_training_backend",
+    "dump_yaml",
+    "embedded_default",
+    "load",
+    "read_yaml",
+    "validate",
+]

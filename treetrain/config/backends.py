@@ -1,0 +1,65 @@
+"""What each training engine runs: the one table that admission (the operator, ``rljob plan``),
+config validation and :func:`treetrain.engines.build_engine` consult.
+
+A backend string the parser accepts but the engine cannot run is refused here, at validation
+time, with the reason and a string that would run, never inside a pod.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treetrain.alloc import Allocation, AllocationError, parse
+from treetrain.engines.errors import EngineConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSupport:
+    built: bool
+    # letter -> why this engine does not run it yet (the parser refuses what no engine of
+    # the kind could run, e.g. fsdp with p or e).
+    refused: dict[str, str]
+
+
+ENGINES: dict[str, EngineSupport] = {
+    "fsdp": EngineSupport(built=True, refused={"cp": "context parallelism is not supported by the FSDP engine yet"}),
+    "megatron": EngineSupport(built=False, refused={}),
+    "archon": EngineSupport(built=False, refused={}),
+}
+
+
+def _fsdp_equivalent(allocation: Allocation) -> str:
+    """An fsdp string over the same GPUs (what to write while an engine is missing)."""
+    dims = allocation.dims
+    dp = allocation.world_size // dims.tp
+    return f"fsdp:d{dp}" + (f"t{dims.tp}" if dims.tp > 1 else "")
+
+
+def check_training_backend(backend: str) -> Allocation:
+    """Parse ``backend`` and check that its engine runs it; raises :class:`EngineConfigError`
+    (or the parser's :class:`AllocationError`) with the fix."""
+    allocation = parse(backend)
+    if allocation.kind != "training":
+        raise AllocationError(
+            f"{backend!r} is an inference backend; a trainer needs fsdp:..., megatron:... or archon:..."
+        )
+    support = ENGINES[allocation.backend]
+    if not support.built:
+        raise EngineConfigError(
+            f"the {allocation.backend} engine is not built yet in this release; "
+            f"use the FSDP engine on the same GPUs: {_fsdp_equivalent(allocation)}"
+        )
+    dims = allocation.dims
+    for letter, reason in support.refused.items():
+        size = getattr(dims, letter)
+        if size > 1:
+            raise EngineConfigError(
+                f"{reason} ({letter[0]}{size} in {backend!r}); fix: drop it and raise d or t instead, "
+                f"e.g. {_fsdp_equivalent(allocation)}"
+            )
+    return allocation
+
+
+def alignment_size(allocation: Allocation) -> int:
+    """Tokens of a packed tree must split evenly over this many ranks (tensor parallel)."""
+    return allocation.dims.tp

@@ -1,0 +1,205 @@
+"""Rules that span config sections: engine support, colocation, algorithm and roles, the
+micro-batch alignment, the task. Each check reads the sections it needs and is skipped
+when one of them failed schema validation (its problems are already reported), so one run
+still lists every problem it can find.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from treetrain.alloc import Allocation, AllocationError
+from treetrain.config.backends import alignment_size, check_training_backend
+from treetrain.config.schema import (
+    ActorSettings,
+    CheckpointSettings,
+    ModelSettings,
+    RoleSettings,
+    RolloutServers,
+    TrainerSettings,
+)
+from treetrain.engines import builtin
+from treetrain.engines.errors import EngineConfigError
+from treetrain.rl.task import BUILTIN_TASKS
+from treetrain.tree.pack import capacity_problem
+
+Problem = tuple[str, str]  # (field path, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Sections:
+    """The config as far as it passed schema validation: a section with broken keys is kept
+    with those keys at their defaults, and ``broken`` names them (``"actor.treeTraining"``),
+    so a rule that reads one of them is skipped instead of judging a default."""
+
+    model: ModelSettings | None
+    actor: ActorSettings
+    critic: RoleSettings | None
+    ref: RoleSettings | None
+    checkpoint: CheckpointSettings
+    rollout: RolloutServers
+    trainer: TrainerSettings
+    present: frozenset[str]  # top-level keys the config has
+    broken: frozenset[str] = frozenset()
+
+    def fine(self, *paths: str) -> bool:
+        """None of ``paths`` (or a section above them) failed validation."""
+        for path in paths:
+            parts = path.split(".")
+            if any(".".join(parts[: i + 1]) in self.broken for i in range(len(parts))):
+                return False
+        return True
+
+
+def problems(s: Sections) -> list[Problem]:
+    found: list[Problem] = []
+    for check in CHECKS:
+        found += check(s)
+    return found
+
+
+def _allocation(path: str, backend: str) -> Allocation | Problem:
+    try:
+        return check_training_backend(backend)
+    except (AllocationError, EngineConfigError) as err:
+        return (path, str(err))
+
+
+def _actor_allocation(s: Sections) -> Allocation | None:
+    found = _allocation("actor.backend", s.actor.backend) if s.fine("actor.backend") else None
+    return found if isinstance(found, Allocation) else None
+
+
+def check_model(s: Sections) -> list[Problem]:
+    if s.model is None or not s.fine("model.path"):
+        return []
+    try:
+        builtin.check_path(s.model.path)
+    except EngineConfigError as err:
+        return [("model.path", str(err))]
+    return []
+
+
+def check_actor(s: Sections) -> list[Problem]:
+    if not s.fine("actor.backend"):
+        return []
+    found = _allocation("actor.backend", s.actor.backend)
+    if not isinstance(found, Allocation):
+        return [found]
+    if not s.fine("actor.treeTraining"):
+        return []
+    tree = s.actor.tree_training
+    why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, alignment_size(found), names=("blockSize", "t"))
+    return [("actor.treeTraining.maxTokensPerMicrobatch", f"{tree.max_tokens_per_mb} {why}")] if why else []
+
+
+def check_roles(s: Sections) -> list[Problem]:
+    found: list[Problem] = []
+    actor = _actor_allocation(s)
+    for role in ("critic", "ref"):
+        settings: RoleSettings | None = getattr(s, role)
+        if settings is None or not s.fine(role):
+            continue
+        if not settings.colocated:
+            found.append(
+                (
+                    f"{role}.colocated",
+                    f"false is not supported yet; the {role} runs in the actor's processes "
+                    "(leave its backend empty or give it the actor's world size)",
+                )
+            )
+            continue
+        if not settings.backend:
+            continue
+        mine = _allocation(f"{role}.backend", settings.backend)
+        if not isinstance(mine, Allocation):
+            found.append(mine)
+        elif actor is not None and mine.world_size != actor.world_size:
+            found.append(
+                (
+                    f"{role}.backend",
+                    f"a colocated {role} runs in the actor's processes, so its world size must be the actor's "
+                    f"({mine.world_size} != {actor.world_size}); use the same world size or leave backend empty",
+                )
+            )
+    return found
+
+
+def check_algorithm(s: Sections) -> list[Problem]:
+    t = s.trainer
+    if not s.fine("trainer.algorithm", "trainer.loss"):
+        return []
+    found: list[Problem] = []
+    has_critic = "critic" in s.present
+    if t.algorithm == "ppo" and not has_critic:
+        found.append(("trainer.algorithm", "ppo needs a critic: add `critic: {}` (colocated with the actor)"))
+    if t.algorithm == "grpo" and has_critic:
+        found.append(("critic", "GRPO uses no critic; set trainer.algorithm: ppo or remove critic"))
+    if t.loss.kl_coef > 0 and "ref" not in s.present:
+        found.append(("trainer.loss.klCoef", "> 0 needs a reference model: add `ref: {}`"))
+    return found
+
+
+def check_rollout(s: Sections) -> list[Problem]:
+    if not s.fine("trainer.rollout", "rollout", "checkpoint.dir"):
+        return []
+    kind = s.trainer.rollout.kind
+    if kind == "local" and s.rollout.servers:
+        return [("trainer.rollout.kind", "local rollout ignores rollout.servers; use auto, sglang or vllm")]
+    remote = kind in ("sglang", "vllm") or (kind == "auto" and bool(s.rollout.servers))
+    if kind in ("sglang", "vllm") and not s.rollout.servers:
+        return [("rollout.servers", f"trainer.rollout.kind {kind} needs servers: add rollout.servers: [{{url: ...}}]")]
+    if remote and not s.checkpoint.dir:
+        return [("checkpoint.dir", "remote rollout syncs weights through a directory the servers also mount; set it")]
+    return []
+
+
+def check_task(s: Sections) -> list[Problem]:
+    t = s.trainer
+    if not s.fine("trainer.task", "trainer.taskArgs"):
+        return []
+    spec = t.task
+    if not spec.startswith("builtin:"):
+        module, sep, attr = spec.partition(":")
+        if not (sep and module and attr):
+            return [("trainer.task", f"{spec!r} must be builtin:NAME or package.module:function")]
+        return []  # a user module: imported in the trainer, which has the user's image
+    name = spec.removeprefix("builtin:")
+    if name not in BUILTIN_TASKS:
+        known = ", ".join("builtin:" + n for n in BUILTIN_TASKS)
+        return [("trainer.task", f"unknown built-in task {spec!r}; built-in: {known}")]
+    params = inspect.signature(BUILTIN_TASKS[name]).parameters
+    found: list[Problem] = []
+    for key in t.task_args:
+        snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
+        if snake not in params or snake == "tokenizer":
+            valid = sorted(_camel(p) for p in params if p != "tokenizer")
+            found.append((f"trainer.taskArgs.{key}", f"{spec} takes no argument {key!r}; valid: {', '.join(valid)}"))
+    tokenizer = params.get("tokenizer")
+    needs_text = tokenizer is not None and tokenizer.default is inspect.Parameter.empty
+    if needs_text and s.model is not None and s.fine("model.path") and builtin.random_config(s.model.path) is not None:
+        found.append(
+            (
+                "trainer.task",
+                f"{spec} works on text and needs a model with a tokenizer (e.g. model.path: builtin:smollm2-135m); "
+                f"{s.model.path} has none: use builtin:parity with it",
+            )
+        )
+    return found
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+CHECKS: tuple[Callable[[Sections], list[Problem]], ...] = (
+    check_model,
+    check_actor,
+    check_roles,
+    check_algorithm,
+    check_rollout,
+    check_task,
+)

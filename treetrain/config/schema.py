@@ -1,0 +1,213 @@
+"""The trainer config as pydantic models: the one schema of ``treetrain train CONFIG``, of the
+ConfigMap the operator writes, and of an RLJob's ``spec.trainerConfig`` (the ``trainer:``
+section). Torch-free, so the operator validates exactly what the trainer will run.
+
+camelCase on the wire (snake_case is accepted too), unknown keys refused, values strictly
+typed (a YAML string is never read as a number). Cross-section rules live in
+:mod:`treetrain.config.check`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+AttentionName = Literal["auto", "flex", "triton", "sparse", "dense"]
+RolloutKind = Literal["auto", "local", "sglang", "vllm"]
+ServerKind = Literal["auto", "sglang", "vllm"]
+Algorithm = Literal["grpo", "ppo"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+DEFAULT_BLOCK_SIZE = 128
+MAX_BACKEND = 128  # characters of a backend string (bounds the CRD's CEL rules too)
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Section(BaseModel):
+    """A config section: camelCase keys, unknown keys refused, strict types, immutable."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True, frozen=True)
+
+
+# -- model --------------------------------------------------------------------------------
+
+
+class ModelSettings(Section):
+    """Which model to train."""
+
+    path: str = Field(
+        min_length=1,
+        description="A Hugging Face model directory (or hub id the machine can download), or builtin:NAME "
+        "(builtin:smollm2-135m, builtin:tiny-llama).",
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of random weights (built-in random models, value heads).")
+    dtype: DType = Field(
+        default="float32",
+        description="Compute dtype; with FSDP over several ranks, bfloat16 keeps fp32 master weights.",
+    )
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass.")
+
+
+# -- engines ------------------------------------------------------------------------------
+
+
+class TreeTrainingSettings(Section):
+    """Tree (shared-prefix) packing of training batches."""
+
+    enabled: bool = Field(default=True, description="Pack sequences that share prefixes into tries.")
+    max_tokens_per_mb: int = Field(
+        default=32768,
+        ge=1,
+        alias="maxTokensPerMicrobatch",
+        description="Capacity of one packed micro-batch, in tree tokens; a multiple of lcm(blockSize, t).",
+    )
+    attention: AttentionName = Field(
+        default="auto", description="Tree attention backend; auto: flex on CUDA, sparse elsewhere."
+    )
+    block_size: int = Field(
+        default=DEFAULT_BLOCK_SIZE, ge=1, le=65536, description="Attention block size; trees are padded to it."
+    )
+    pad_to_maximum: bool = Field(
+        default=False, description="Pad every tree to maxTokensPerMicrobatch (fixed shapes, more padding)."
+    )
+
+
+class ActorSettings(Section):
+    """The policy being trained: its backend string (engine and parallel layout) and tree packing."""
+
+    backend: str = Field(
+        default="fsdp:d1",
+        min_length=1,
+        max_length=MAX_BACKEND,
+        description="Training backend string: fsdp:..., megatron:... or archon:... (e.g. fsdp:d4t2).",
+    )
+    tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
+
+
+class RoleSettings(Section):
+    """A critic or reference model, run in the actor's processes."""
+
+    backend: str = Field(default="", max_length=MAX_BACKEND, description="Backend string; empty: the actor's backend.")
+    colocated: bool = Field(
+        default=True, description="Run in the actor's processes (same world size); false is not supported yet."
+    )
+
+
+class CheckpointSettings(Section):
+    dir: str | None = Field(default=None, description="Directory of checkpoints; unset: no checkpoints.")
+    interval_steps: int = Field(default=50, ge=1, description="Save every N steps (and after the last one).")
+
+
+class RolloutServer(Section):
+    url: str = Field(min_length=1, description="Base URL of one SGLang or vLLM server.")
+    kind: ServerKind = Field(default="auto", description="The server's API; auto: probed when training starts.")
+
+
+class RolloutServers(Section):
+    """The rollout servers (written by the operator from the RLJob's rollout engines)."""
+
+    servers: list[RolloutServer] = Field(
+        default_factory=list, description="One entry per server; empty: rollout runs in the trainer (local)."
+    )
+
+
+# -- the trainer section ------------------------------------------------------------------
+
+
+class SamplingSettings(Section):
+    """How rollouts are sampled and how the servers are reached."""
+
+    kind: RolloutKind = Field(
+        default="auto", description="local, sglang or vllm; auto: local without servers, else each server's kind."
+    )
+    temperature: float = Field(default=1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    timeout_seconds: float = Field(default=600.0, gt=0, description="Timeout of one server request.")
+    ready_timeout_seconds: float = Field(default=1800.0, gt=0, description="Wait this long for servers to be healthy.")
+    retries: int = Field(default=3, ge=0, description="Retries of a failed request (connection errors, 5xx).")
+    model: str = Field(default="", description="vLLM: the served model name, when the server needs one.")
+
+
+class OptimizerSettings(Section):
+    """AdamW with a constant learning rate after a linear warm-up."""
+
+    lr: float = Field(default=1e-6, gt=0, allow_inf_nan=False, description="Learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: list[float] = Field(default=[0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float = Field(default=1.0, ge=0, description="Clip the gradient norm to this; 0: no clipping.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warm-up steps.")
+
+
+class LossSettings(Section):
+    """The PPO-clip policy loss (GRPO uses it with group advantages)."""
+
+    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="Clip range of the probability ratio.")
+    clip_eps_high: float | None = Field(
+        default=None, gt=0, description="Upper clip range (clip-higher); unset: clipEps."
+    )
+    dual_clip: float | None = Field(default=None, gt=1, description="Dual-clip bound for negative advantages.")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL(policy || ref) weight; > 0 needs a ref model.")
+    entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
+    behav_imp_weight_cap: float | None = Field(
+        default=5.0, gt=1, description="Decoupled PPO: drop tokens whose behaviour weight exceeds this; null: no cap."
+    )
+
+
+class ValueLossSettings(Section):
+    clip_eps: float | None = Field(default=0.2, gt=0, description="Clip range around the old values; null: none.")
+
+
+class MetricsSettings(Section):
+    enabled: bool = Field(default=True, description="Serve Prometheus metrics (rank 0).")
+    port: int = Field(default=9400, ge=0, le=65535, description="Metrics port; 0: any free port.")
+    addr: str | None = Field(
+        default=None, description="Listen address; unset: all interfaces inside a pod, loopback elsewhere."
+    )
+
+
+class TrainerSettings(Section):
+    """The RL loop (an RLJob's spec.trainerConfig)."""
+
+    steps: int = Field(default=100, ge=1, description="Training steps.")
+    seed: int = Field(default=0, ge=0, description="Seed of episodes and sampling.")
+    task: str = Field(
+        default="builtin:parity",
+        min_length=1,
+        description="builtin:arithmetic, builtin:parity, or package.module:function returning a task.",
+    )
+    task_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the task.")
+    groups_per_step: int = Field(default=8, ge=1, description="Prompt groups per step.")
+    group_size: int = Field(default=4, ge=1, description="Samples per group (GRPO's n).")
+    algorithm: Algorithm = Field(default="grpo", description="grpo (no critic) or ppo (needs a critic).")
+    normalize_advantages: bool = Field(default=True, description="GRPO: divide by the group's standard deviation.")
+    ppo_epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
+    keep_checkpoints: int = Field(default=3, ge=1, description="Keep the newest N checkpoints.")
+    rollout: SamplingSettings = Field(default_factory=SamplingSettings)
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    loss: LossSettings = Field(default_factory=LossSettings)
+    value_loss: ValueLossSettings = Field(default_factory=ValueLossSettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    compare_flat: bool = Field(
+        default=False, description="After the last step, time the last batches trained tree vs flat."
+    )
+    compare_batches: int = Field(default=2, ge=1, description="Batches the comparison trains.")
+    compare_rounds: int = Field(default=3, ge=1, description="Measured rounds per mode; the best counts.")
+    threads: int = Field(
+        default=0, ge=0, description="torch intra-op threads; 0: torch's default (1 suits a small shared CPU)."
+    )
+
+
+class TrainConfig(Section):
+    """Everything ``treetrain train`` reads."""
+
+    model: ModelSettings
+    actor: ActorSettings = Field(default_factory=ActorSettings)
+    critic: RoleSettings | None = Field(default=None, description="A tree-packed critic (PPO).")
+    ref: RoleSettings | None = Field(default=None, description="A reference model (KL term).")
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    rollout: RolloutServers = Field(default_factory=RolloutServers)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
