@@ -18,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from treetrain.rl.rollout import RolloutError, SamplingParams, SGLangRollout, VLLMRollout, detect_kind
+from treetrain.rl.rollout import (
+    MixedRollout,
+    RolloutError,
+    SamplingParams,
+    SGLangRollout,
+    VLLMRollout,
+    detect_kind,
+    remote_client,
+)
 
 
 def _tokens(prompt: list[int], n: int) -> list[int]:
@@ -241,6 +249,86 @@ def test_servers_without_pause_routes_still_reload(kind: str, tmp_path: Path) ->
         assert old.paths()[-1] == reload and len(old.paths()) == 2  # the pause was tried, no resume
     finally:
         old.close()
+
+
+def _mixed(sglang: FakeServer, vllm: FakeServer, **kwargs: Any) -> MixedRollout:
+    client = remote_client([(sglang.url, "sglang"), (vllm.url + "/", "vllm")], **kwargs)
+    assert isinstance(client, MixedRollout)
+    return client
+
+
+def test_mixed_servers_each_get_their_own_dialect(sglang: FakeServer, vllm: FakeServer) -> None:
+    client = _mixed(sglang, vllm, model="m")
+    assert client.kind == "sglang+vllm"
+    prompts = [[1], [2, 2], [3, 3, 3], [4, 4, 4, 4]]
+    gens = client.generate(prompts, PARAMS, seed=10)
+    # In prompt order: even prompts came from SGLang (log-prob -0.5), odd ones from vLLM (-0.25).
+    assert [g.tokens for g in gens] == [_tokens(p, 3) for p in prompts]
+    assert [g.logprobs[0] for g in gens] == [-0.5, -0.25, -0.5, -0.25]
+    assert sglang.paths() == ["/generate"] * 2 and vllm.paths() == ["/v1/completions"] * 2
+    sg = sorted((b["input_ids"], b["sampling_params"]["sampling_seed"]) for m, p, b in sglang.calls)
+    vl = sorted((b["prompt"], b["seed"], b["model"]) for m, p, b in vllm.calls)
+    assert sg == [([1], 10), ([3, 3, 3], 12)]
+    assert vl == [([2, 2], 11, "m"), ([4, 4, 4, 4], 13, "m")]
+    # The round-robin carries over between calls: 1 + 1 more prompts reach both servers again.
+    client.generate([[5]], PARAMS, seed=0)
+    client.generate([[6]], PARAMS, seed=0)
+    assert len(sglang.paths()) == 3 and len(vllm.paths()) == 3
+    assert client.generate([], PARAMS, seed=0) == []
+
+
+def test_auto_probes_each_server_on_its_own(sglang: FakeServer, vllm: FakeServer) -> None:
+    client = remote_client([(vllm.url, "auto"), (sglang.url, "auto")])
+    assert isinstance(client, MixedRollout) and client.kind == "sglang+vllm"
+    assert {c.kind: c.endpoints for c in client.clients} == {"sglang": [sglang.url], "vllm": [vllm.url]}
+    assert sglang.paths("GET") == ["/model_info"]
+    assert vllm.paths("GET") == ["/model_info", "/get_model_info", "/v1/models"]
+
+
+def test_one_kind_gives_the_plain_client(sglang: FakeServer, vllm: FakeServer) -> None:
+    other = FakeServer("sglang")
+    try:
+        both = remote_client([(sglang.url, "auto"), (other.url, "sglang"), (sglang.url + "/", "sglang")])
+        assert type(both) is SGLangRollout and both.endpoints == [sglang.url, other.url]  # the repeat served once
+    finally:
+        other.close()
+    one = remote_client([(vllm.url, "vllm")], model="m", retries=1, timeout_s=5.0)
+    assert type(one) is VLLMRollout and one.model == "m" and (one.retries, one.timeout_s) == (1, 5.0)
+    assert vllm.calls == []  # an explicit kind is not probed
+
+
+def test_mixed_weight_sync_and_health_reach_every_server(sglang: FakeServer, vllm: FakeServer, tmp_path: Path) -> None:
+    client = _mixed(sglang, vllm)
+    client.wait_ready(5)
+    assert sglang.paths("GET") == ["/health"] and vllm.paths("GET") == ["/health"]
+    client.update_weights(str(tmp_path), 2)
+    assert sglang.paths() == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
+    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    client.forget()
+    client.close()
+
+
+def test_mixed_weight_sync_errors_surface_after_every_server_resumed(
+    sglang: FakeServer, vllm: FakeServer, tmp_path: Path
+) -> None:
+    client = _mixed(sglang, vllm, retries=0)
+    with pytest.raises(RolloutError, match="update_weights_from_disk"):
+        client.update_weights(str(tmp_path / "missing"), 1)  # SGLang refuses a path that is not there
+    assert sglang.paths()[-1] == "/continue_generation" and vllm.paths()[-1] == "/resume"
+
+
+def test_remote_client_rejects_bad_server_lists(sglang: FakeServer) -> None:
+    with pytest.raises(RolloutError, match=r"rollout\.endpoints"):
+        remote_client([])
+    with pytest.raises(RolloutError, match=r"rollout\.endpoints"):
+        detect_kind([])
+    with pytest.raises(RolloutError, match=r"'tgi'.*sglang, vllm, auto"):
+        remote_client([(sglang.url, "sglang"), ("http://127.0.0.1:1", "tgi")])
+    with pytest.raises(RolloutError, match="both sglang and vllm"):
+        remote_client([(sglang.url, "sglang"), (sglang.url, "vllm")])
+    with pytest.raises(RolloutError, match="empty rollout endpoint"):
+        remote_client([("", "sglang")])
+    assert sglang.calls == []  # a bad list fails before anything is sent
 
 
 def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_path: Path, monkeypatch: Any) -> None:

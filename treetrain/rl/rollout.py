@@ -4,7 +4,8 @@ Every source takes token-id prompts and returns token ids plus the sampler's log
 (the *behaviour* log-probs decoupled PPO needs). Remote sources reload weights from disk:
 the trainer saves Hugging Face weights to a shared path, then asks every server to load
 them (SGLang ``/update_weights_from_disk``; vLLM ``/collective_rpc`` ``reload_weights``,
-which needs ``VLLM_SERVER_DEV_MODE=1`` on the server).
+which needs ``VLLM_SERVER_DEV_MODE=1`` on the server). One job may mix SGLang and vLLM
+servers: :func:`remote_client` gives each endpoint a client of its own server's dialect.
 """
 
 from __future__ import annotations
@@ -18,9 +19,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 KINDS = ("local", "sglang", "vllm")
+REMOTE_KINDS = ("sglang", "vllm")  # the server kinds :func:`remote_client` builds clients for
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+_NO_ENDPOINTS = "no rollout endpoints: set rollout.endpoints or TREETRAIN_ROLLOUT_ENDPOINTS"
 
 
 class RolloutError(RuntimeError):
@@ -223,10 +230,10 @@ class _KeptCache:
         lengths = sorted(by_len, reverse=True)
         rows = []
         for p in prompts:
-            r = next((by_len[n][key] for n in lengths if n < len(p) and (key := tuple(p[:n])) in by_len[n]), None)
-            if r is None:
+            row = next((by_len[n][key] for n in lengths if n < len(p) and (key := tuple(p[:n])) in by_len[n]), None)
+            if row is None:
                 return None
-            rows.append(r)
+            rows.append(row)
         return rows
 
 
@@ -276,6 +283,29 @@ def http_json(method: str, url: str, body: dict[str, Any] | None, timeout: float
         return status, raw.decode(errors="replace")
 
 
+def _spread(
+    targets: Sequence[_T],
+    start: int,
+    prompts: Sequence[list[int]],
+    seed: int,
+    send: Callable[[_T, list[int], int], Generation],
+) -> tuple[list[Generation], int]:
+    """Round-robin: prompt i goes to ``targets[(start + i) % n]`` with seed ``seed + i``, one request
+    per prompt, all at once. Returns the generations in prompt order and where the next call starts
+    (so consecutive small batches still reach every server)."""
+    jobs = [(targets[(start + i) % len(targets)], prompt, seed + i) for i, prompt in enumerate(prompts)]
+    with ThreadPoolExecutor(max_workers=min(64, max(1, len(jobs)))) as pool:
+        gens = list(pool.map(lambda job: send(*job), jobs))
+    return gens, (start + len(prompts)) % len(targets)
+
+
+def _in_parallel(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """``fn`` on every item at once, one thread each: a slow server costs its own time, not the sum.
+    Every call finishes before the first error (in item order) is raised."""
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
 @dataclass(kw_only=True)
 class HTTPRollout(RolloutClient):
     """Shared by the SGLang and vLLM clients: endpoints, retries, health checks."""
@@ -290,7 +320,7 @@ class HTTPRollout(RolloutClient):
 
     def __post_init__(self) -> None:
         if not self.endpoints:
-            raise RolloutError("no rollout endpoints: set rollout.endpoints or TREETRAIN_ROLLOUT_ENDPOINTS")
+            raise RolloutError(_NO_ENDPOINTS)
         self.endpoints = [e.rstrip("/") for e in self.endpoints]
 
     def call(self, endpoint: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -340,21 +370,16 @@ class HTTPRollout(RolloutClient):
                 time.sleep(1.0)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
-        # Spread prompts round-robin over the servers, one request per prompt, concurrently.
-        jobs = []
-        for i, prompt in enumerate(prompts):
-            ep = self.endpoints[(self._next + i) % len(self.endpoints)]
-            jobs.append((ep, prompt, seed + i))
-        self._next = (self._next + len(prompts)) % len(self.endpoints)
-        with ThreadPoolExecutor(max_workers=min(64, max(1, len(jobs)))) as pool:
-            return list(pool.map(lambda j: self._generate_one(j[0], j[1], params, j[2]), jobs))
+        gens, self._next = _spread(
+            self.endpoints, self._next, prompts, seed, lambda ep, p, s: self._generate_one(ep, p, params, s)
+        )
+        return gens
 
     @abstractmethod
     def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation: ...
 
     def _each(self, fn: Callable[[str], None]) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.endpoints)) as pool:
-            list(pool.map(fn, self.endpoints))
+        _in_parallel(fn, self.endpoints)
 
 
 class SGLangRollout(HTTPRollout):
@@ -470,9 +495,9 @@ class VLLMRollout(HTTPRollout):
         self._each(one)
 
 
-def detect_kind(endpoints: Sequence[str], transport: Transport = http_json) -> str:
-    """``sglang`` when the first server answers ``/model_info`` (vLLM has no such route), else ``vllm``."""
-    ep = endpoints[0].rstrip("/")
+def probe_kind(endpoint: str, transport: Transport = http_json) -> str:
+    """``sglang`` when the server answers ``/model_info`` (vLLM has no such route), else ``vllm``."""
+    ep = endpoint.rstrip("/")
     for path in ("/model_info", "/get_model_info"):
         try:
             status, _ = transport("GET", ep + path, None, 10.0)
@@ -487,3 +512,97 @@ def detect_kind(endpoints: Sequence[str], transport: Transport = http_json) -> s
     if status == 200:
         return "vllm"
     raise RolloutError(f"{ep} is neither an SGLang nor a vLLM server; set trainer.rollout.kind")
+
+
+def detect_kind(endpoints: Sequence[str], transport: Transport = http_json) -> str:
+    """The kind of the first server (see :func:`probe_kind`). Servers that may differ go through
+    :func:`remote_client`, which probes each one."""
+    if not endpoints:
+        raise RolloutError(_NO_ENDPOINTS)
+    return probe_kind(endpoints[0], transport)
+
+
+class MixedRollout(RolloutClient):
+    """Servers of several kinds behind one client. Prompts go round-robin over every endpoint, each
+    request in its server's dialect (through the per-kind client that holds that endpoint); weight
+    updates, health checks, :meth:`close` and :meth:`forget` go to every per-kind client."""
+
+    def __init__(self, clients: Sequence[HTTPRollout]) -> None:
+        if not clients:
+            raise RolloutError(_NO_ENDPOINTS)
+        self.clients = list(clients)
+        self.kind = "+".join(c.kind for c in self.clients)
+        # Every endpoint paired with the client that speaks its server's dialect.
+        self.targets = [(c, ep) for c in self.clients for ep in c.endpoints]
+        self._next = 0
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [ep for _, ep in self.targets]
+
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
+        gens, self._next = _spread(
+            self.targets, self._next, prompts, seed, lambda t, p, s: t[0]._generate_one(t[1], p, params, s)
+        )
+        return gens
+
+    def update_weights(self, path: str, version: int) -> None:
+        # Every kind at once: the reload takes as long as the slowest server, not the sum of them.
+        _in_parallel(lambda c: c.update_weights(path, version), self.clients)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        # At once, so the servers share one deadline rather than each kind getting timeout_s in turn.
+        _in_parallel(lambda c: c.wait_ready(timeout_s), self.clients)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def forget(self) -> None:
+        for c in self.clients:
+            c.forget()
+
+
+def remote_client(
+    servers: Sequence[tuple[str, str]],
+    *,
+    timeout_s: float = 600.0,
+    retries: int = 3,
+    model: str = "",
+    transport: Transport = http_json,
+) -> RolloutClient:
+    """The client for rollout ``servers`` given as ``(url, kind)`` with kind ``sglang``, ``vllm`` or
+    ``auto`` (probe that server alone). When all are of one kind: a plain :class:`SGLangRollout` or
+    :class:`VLLMRollout` over every url; otherwise a :class:`MixedRollout`. ``model`` is vLLM's
+    served model name. A url listed twice is served once (else it would reload weights twice)."""
+    if not servers:
+        raise RolloutError(_NO_ENDPOINTS)
+    valid = (*REMOTE_KINDS, "auto")
+    for url, kind in servers:
+        if kind not in valid:
+            raise RolloutError(f"unknown rollout kind {kind!r} for {url}: expected one of {', '.join(valid)}")
+        if not url.strip("/ "):
+            raise RolloutError(f"empty rollout endpoint url in {[u for u, _ in servers]}")
+    # Probe each "auto" server on its own, all at once: a dead one costs its timeout once.
+    auto = list(dict.fromkeys(url.rstrip("/") for url, kind in servers if kind == "auto"))
+    probed = dict(zip(auto, _in_parallel(lambda ep: probe_kind(ep, transport), auto), strict=True))
+
+    by_kind: dict[str, list[str]] = {k: [] for k in REMOTE_KINDS}  # KINDS order: a stable "sglang+vllm"
+    seen: dict[str, str] = {}
+    for url, given in servers:
+        ep = url.rstrip("/")
+        kind = probed[ep] if given == "auto" else given
+        if ep in seen:
+            if seen[ep] != kind:
+                raise RolloutError(f"rollout server {ep} is listed as both {seen[ep]} and {kind}")
+            continue
+        seen[ep] = kind
+        by_kind[kind].append(ep)
+
+    def client(kind: str, eps: list[str]) -> HTTPRollout:
+        if kind == "sglang":
+            return SGLangRollout(endpoints=eps, timeout_s=timeout_s, retries=retries, transport=transport)
+        return VLLMRollout(endpoints=eps, timeout_s=timeout_s, retries=retries, transport=transport, model=model)
+
+    clients = [client(kind, eps) for kind, eps in by_kind.items() if eps]
+    return clients[0] if len(clients) == 1 else MixedRollout(clients)
