@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from rljob_operator.models import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, RLJobSpec, RLJobStatus
+from treetrain.config.schema import TrainerSettings
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -28,6 +29,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 def crd() -> dict[str, Any]:
     """The CRD object, ready to apply."""
     spec_schema = structural(RLJobSpec.model_json_schema(by_alias=True))
+    spec_schema["properties"]["trainerConfig"] = trainer_config_schema()
     status_schema = structural(RLJobStatus.model_json_schema(by_alias=True))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -69,6 +71,30 @@ def crd() -> dict[str, Any]:
             ],
         },
     }
+
+
+def trainer_config_schema() -> dict[str, Any]:
+    """``spec.trainerConfig``: the trainer's own ``trainer:`` schema, so ``kubectl explain``
+    shows its fields. Every object in it keeps unknown keys (the API server would otherwise
+    prune a misspelt key silently): the operator refuses them itself, with the trainer's
+    message and a did-you-mean hint."""
+    schema = structural(TrainerSettings.model_json_schema(by_alias=True))
+    schema["description"] = (
+        "The trainer's `trainer:` section (RL loop, task, optimizer, loss, sampling, metrics); "
+        "checked by the trainer's own rules before anything is created. Reference: docs/trainer.md."
+    )
+    schema["default"] = {}
+
+    def keep_unknown(node: dict[str, Any]) -> None:
+        if node.get("type") == "object":
+            node["x-kubernetes-preserve-unknown-fields"] = True
+        for sub in node.get("properties", {}).values():
+            keep_unknown(sub)
+        if isinstance(node.get("items"), dict):
+            keep_unknown(node["items"])
+
+    keep_unknown(schema)
+    return schema
 
 
 def crd_yaml() -> str:
@@ -119,6 +145,10 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                 out[key] = " ".join(value.split())
             elif key == "const":
                 out["enum"] = [value]
+            elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+                # JSON Schema's numeric bound is OpenAPI v3's bound plus a boolean flag.
+                out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+                out[key] = True
             else:
                 out[key] = value
         if "enum" in out and "type" not in out:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from treetrain.config.schema import MAX_BACKEND, RoleSettings, TreeTrainingSettings
+
 GROUP = "treetrain.dev"
 VERSION = "v1alpha1"
 KIND = "RLJob"
@@ -21,10 +23,7 @@ SHORT_NAME = "rlj"
 DEFAULT_TRAINER_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 
-MAX_BACKEND = 128  # bounds the cost of the CEL rules below
-
 Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
-Attention = Literal["auto", "flex", "triton", "sparse", "dense"]
 
 
 class _Model(BaseModel):
@@ -82,33 +81,14 @@ class NamedRolloutEngine(RolloutEngine):
     )
 
 
-class TreeTraining(_Model):
-    """Tree (shared-prefix) packing of training batches."""
-
-    enabled: bool = Field(default=True, description="Pack shared prefixes into tries.")
-    max_tokens_per_microbatch: int = Field(
-        default=32768, ge=1, description="Capacity of one packed tree, in tree tokens."
-    )
-    attention: Attention = Field(default="auto", description="Tree attention backend.")
-
-
 class Actor(_Model):
     """The policy being trained: its parallel layout and tree training settings."""
 
     backend: str = Field(
         min_length=1, max_length=MAX_BACKEND, description="Backend string: fsdp:..., megatron:... or archon:...."
     )
-    tree_training: TreeTraining = Field(default_factory=TreeTraining)
-
-
-class Auxiliary(_Model):
-    """A critic or reference model; an empty backend means: the actor's."""
-
-    backend: str = Field(default="", max_length=MAX_BACKEND, description="Backend string; empty = the actor's backend.")
-    colocated: bool = Field(
-        default=True,
-        description="Run in the actor's trainer pods (needs the actor's world size); false is not supported yet.",
-    )
+    # The trainer config's own section: one schema for both.
+    tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
 
 
 class Checkpoint(_Model):
@@ -179,10 +159,13 @@ class RLJobSpec(_Model):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     actor: Actor
-    critic: Auxiliary | None = None
-    ref: Auxiliary | None = None
+    critic: RoleSettings | None = None
+    ref: RoleSettings | None = None
+    # Checked by the trainer config's own rules in plan() (the same messages the trainer prints);
+    # the CRD schema of this field is generated from TrainerSettings (see crd.py).
     trainer_config: dict[str, Any] = Field(
-        default_factory=dict, description="Passed to `treetrain train` as its config file (YAML), unchanged."
+        default_factory=dict,
+        description="The trainer's `trainer:` section (docs/trainer.md): RL loop, optimizer, loss, task.",
     )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     max_restarts: int = Field(default=3, ge=0, description="Trainer gang restarts before the RLJob fails.")

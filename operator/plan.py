@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from rljob_operator.models import GROUP, KIND, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
 from rljob_operator.servers import MultiNode, multi_node_command, server_argv, server_env
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
+from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
 
 MANAGED_BY = "rljob-operator"
 LABEL_RLJOB = f"{GROUP}/rljob"
@@ -94,6 +94,7 @@ class Plan:
     namespace: str
     spec: RLJobSpec
     components: dict[str, Component]
+    config: TrainConfig | None = None  # what the trainer pods run (the ConfigMap), checked by its own rules
     objects: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -147,9 +148,28 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
     components, component_errors = _components(_engines(spec, raw))
     seen = {e.path for e in errors}
     errors += [e for e in component_errors if e.path not in seen]
+    # The trainer's own rules, before anything is created: what it would refuse in the pod (a
+    # misplaced trainerConfig key, an engine it cannot run, a micro-batch cap off the block
+    # alignment) is refused here, in the trainer's words. When the RLJob schema failed, the
+    # sections the user wrote are still checked, so one run lists every problem.
+    config = None
+    if spec is not None:
+        draft = trainer_config(Plan(name=name, namespace=namespace, spec=spec, components=components))
+    else:
+        draft = _written_sections(raw)
+    try:
+        config = validate(draft)
+    except ConfigError as err:
+        seen = {e.path for e in errors}
+        keep = (lambda _: True) if spec is not None else (lambda p: p.split(".")[0] in _written_sections(raw))
+        errors += [
+            e
+            for p, e in zip(err.problems, map(_config_problem, err.problems), strict=True)
+            if e.path not in seen and keep(p[0])
+        ]
     if errors or spec is None:
         raise PlanError(errors)
-    result = Plan(name=name, namespace=namespace, spec=spec, components=components)
+    result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config)
     objects = _objects(result, restart=restart)
     uid = metadata.get("uid")
     if uid:
@@ -163,7 +183,49 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
         }
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner]
-    return Plan(name=name, namespace=namespace, spec=spec, components=components, objects=objects)
+    return Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, objects=objects)
+
+
+# Where each section of the trainer config comes from in an RLJob.
+_CONFIG_SOURCES = {
+    "trainer": "spec.trainerConfig",
+    "actor": "spec.actor",
+    "critic": "spec.critic",
+    "ref": "spec.ref",
+    "model": "spec.model",
+    "checkpoint": "spec.checkpoint",
+    "rollout": "spec.rollout",
+}
+
+
+def rljob_path(config_path: str) -> str:
+    """``trainer.optimizer.lr`` -> ``spec.trainerConfig.optimizer.lr``: a trainer config path
+    as the RLJob field the user wrote."""
+    head, dot, rest = config_path.partition(".")
+    base = _CONFIG_SOURCES.get(head)
+    if base is None:
+        return config_path or "spec.trainerConfig"
+    return base + dot + rest
+
+
+def _written_sections(raw: Any) -> dict[str, Any]:
+    """The trainer config sections an RLJob spec spells like the config itself."""
+    raw = raw if isinstance(raw, dict) else {}
+    found = {
+        "actor": raw.get("actor"),
+        "critic": raw.get("critic"),
+        "ref": raw.get("ref"),
+        "trainer": raw.get("trainerConfig"),
+    }
+    sections = {k: v for k, v in found.items() if isinstance(v, dict)}
+    return {"model": {"path": "unchecked"}, **sections}
+
+
+def _config_problem(problem: tuple[str, str]) -> FieldError:
+    path, message = problem
+    # The message is the trainer's own; a field it suggests is named as the RLJob field too.
+    message = re.sub(r"did you mean (\S+)\?", lambda m: f"did you mean {rljob_path(m.group(1))}?", message)
+    return FieldError(rljob_path(path), message)
 
 
 def _check_name(name: str) -> list[FieldError]:
@@ -328,9 +390,10 @@ def trainer_job_name(plan: Plan, role: str, restart: int) -> str:
     return base if restart == 0 else f"{base}-r{restart}"
 
 
-def rollout_endpoints(plan: Plan) -> list[str]:
-    """Base URLs of every rollout server (instance leaders), as stable DNS names."""
-    urls: list[str] = []
+def rollout_servers(plan: Plan) -> list[tuple[str, str]]:
+    """(base URL, kind) of every rollout server (instance leaders), as stable DNS names: each
+    engine's servers are spoken to in their own API (sglang or vllm)."""
+    servers: list[tuple[str, str]] = []
     for name, comp in plan.components.items():
         if comp.role != "rollout":
             continue
@@ -338,8 +401,9 @@ def rollout_endpoints(plan: Plan) -> list[str]:
         sts = rollout_name(plan, name)
         for instance in range(comp.allocation.instances):
             ordinal = instance * comp.pods.pods_per_instance
-            urls.append(f"http://{sts}-{ordinal}.{sts}.{plan.namespace}.svc:{engine.port}")
-    return urls
+            url = f"http://{sts}-{ordinal}.{sts}.{plan.namespace}.svc:{engine.port}"
+            servers.append((url, comp.allocation.backend))
+    return servers
 
 
 def _engine(spec: RLJobSpec, component: str) -> RolloutEngine:
@@ -358,34 +422,39 @@ def _objects(plan: Plan, *, restart: int) -> list[dict[str, Any]]:
     return objects
 
 
-def _config_map(plan: Plan) -> dict[str, Any]:
+def trainer_config(plan: Plan) -> dict[str, Any]:
+    """The trainer config of the RLJob, as a mapping (validated in :func:`plan`)."""
     spec = plan.spec
+    actor = plan.components.get("actor")
     config: dict[str, Any] = {
         "model": {"path": _model_path(spec)},
         "actor": {
-            "backend": str(plan.components["actor"].allocation),
+            "backend": str(actor.allocation) if actor else spec.actor.backend,
             "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
         },
         "checkpoint": {"dir": CHECKPOINT_DIR, "intervalSteps": spec.checkpoint.interval_steps},
-        "rollout": {"endpoints": rollout_endpoints(plan), **_rollout_kind(plan)},
+        "rollout": {"servers": [{"url": url, "kind": kind} for url, kind in rollout_servers(plan)]},
         "trainer": spec.trainer_config,
     }
     for role in ("critic", "ref"):
-        if role in plan.components:
-            comp = plan.components[role]
-            config[role] = {"backend": str(comp.allocation), "colocated": comp.colocated_with is not None}
+        settings = getattr(spec, role)
+        if settings is not None:
+            comp = plan.components.get(role)
+            config[role] = {
+                "backend": str(comp.allocation) if comp else settings.backend,
+                "colocated": settings.colocated,
+            }
+    return config
+
+
+def _config_map(plan: Plan) -> dict[str, Any]:
+    assert plan.config is not None
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(plan, f"{plan.name}-config", "actor"),
-        "data": {"config.yaml": yaml.safe_dump(config, sort_keys=False)},
+        "data": {"config.yaml": dump_yaml(plan.config)},
     }
-
-
-def _rollout_kind(plan: Plan) -> dict[str, str]:
-    """``backend: sglang|vllm`` when every rollout engine is of one kind (else the trainer probes)."""
-    kinds = {c.allocation.backend for c in plan.components.values() if c.role == "rollout"}
-    return {"backend": kinds.pop()} if len(kinds) == 1 else {}
 
 
 def _model_path(spec: RLJobSpec) -> str:
@@ -537,12 +606,10 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         {"name": "PET_MASTER_PORT", "value": str(spec.master_port)},
         {"name": "MASTER_ADDR", "value": master},
         {"name": "MASTER_PORT", "value": str(spec.master_port)},
+        # Everything else the trainer reads is in its config (the ConfigMap), said once.
         {"name": "TREETRAIN_ROLE", "value": comp.role},
         {"name": "TREETRAIN_CONFIG", "value": CONFIG_PATH},
-        {"name": "TREETRAIN_ROLLOUT_ENDPOINTS", "value": ",".join(rollout_endpoints(plan))},
-        {"name": "TREETRAIN_CHECKPOINT_DIR", "value": CHECKPOINT_DIR},
         {"name": "TREETRAIN_RESTART", "value": str(restart)},
-        {"name": "TREETRAIN_ATTENTION", "value": spec.actor.tree_training.attention},
     ]
     volumes, mounts = _volumes(plan, checkpoints=True)
     volumes.append({"name": "config", "configMap": {"name": f"{plan.name}-config"}})

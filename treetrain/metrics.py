@@ -1,4 +1,4 @@
-"""Trainer metrics: the names DESIGN.md fixes, in one place, and a Prometheus registry.
+"""Trainer metrics: the names docs/contracts.md fixes, in one place, and a Prometheus registry.
 
 Dashboards (charts/, dashboards/) are built on exactly these names: change one here and
 there at once. Every value is set on logging steps only, from Python floats that the
@@ -8,7 +8,6 @@ tensor.
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ TREE_TOKEN_RATIO = "treetrain_tree_token_ratio"
 TOKENS_TOTAL = "treetrain_tokens_total"
 STEP_DURATION_SECONDS = "treetrain_step_duration_seconds"
 TRAIN_TOKENS_PER_SECOND = "treetrain_train_tokens_per_second"
+STEP_TOKENS_PER_SECOND = "treetrain_step_tokens_per_second"
 STEPS_TOTAL = "treetrain_steps_total"
 LOSS = "treetrain_loss"
 REWARD = "treetrain_reward"
@@ -30,7 +30,16 @@ STEP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 6
 DEFAULT_PORT = 9400
 
 # Every metric name a scrape shows (counters get ``_total`` and ``_created``, histograms their series).
-NAMES = (TREE_TOKEN_RATIO, TOKENS_TOTAL, STEP_DURATION_SECONDS, TRAIN_TOKENS_PER_SECOND, STEPS_TOTAL, LOSS, REWARD)
+NAMES = (
+    TREE_TOKEN_RATIO,
+    TOKENS_TOTAL,
+    STEP_DURATION_SECONDS,
+    TRAIN_TOKENS_PER_SECOND,
+    STEP_TOKENS_PER_SECOND,
+    STEPS_TOTAL,
+    LOSS,
+    REWARD,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +50,18 @@ class StepFigures:
     original_tokens: int
     tree_tokens: int
     padded_tokens: int
-    seconds: float
+    seconds: float  # the whole step: rollout, training, weight sync
+    train_seconds: float  # the training part only
     loss: float
     reward: float
 
+    # Both count original (unpacked) tokens: what the step trained, however well it packed.
     @property
-    def tokens_per_second(self) -> float:
-        # Original (unpacked) tokens: what the step trained, however well it packed.
+    def train_tokens_per_second(self) -> float:
+        return self.original_tokens / self.train_seconds if self.train_seconds > 0 else 0.0
+
+    @property
+    def step_tokens_per_second(self) -> float:
         return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
@@ -70,8 +84,15 @@ class TrainerMetrics:
         self.step_duration = Histogram(
             STEP_DURATION_SECONDS, "Wall time of one training step.", buckets=STEP_BUCKETS, registry=r
         )
-        self.tokens_per_second = Gauge(
-            TRAIN_TOKENS_PER_SECOND, "Original tokens trained per second in the last step.", registry=r
+        self.train_tokens_per_second = Gauge(
+            TRAIN_TOKENS_PER_SECOND,
+            "Original tokens per second of the last step's training part (what the console's train tokens/s shows).",
+            registry=r,
+        )
+        self.step_tokens_per_second = Gauge(
+            STEP_TOKENS_PER_SECOND,
+            "Original tokens per second of the last whole step (rollout, training and weight sync).",
+            registry=r,
         )
         self.steps = Counter(STEPS_TOTAL.removesuffix("_total"), "Training steps completed.", registry=r)
         self.loss = Gauge(LOSS, "Policy loss of the last step.", registry=r)
@@ -86,19 +107,14 @@ class TrainerMetrics:
         self.tokens.labels(kind="tree").inc(fig.tree_tokens)
         self.tokens.labels(kind="padded").inc(fig.padded_tokens)
         self.step_duration.observe(fig.seconds)
-        self.tokens_per_second.set(fig.tokens_per_second)
+        self.train_tokens_per_second.set(fig.train_tokens_per_second)
+        self.step_tokens_per_second.set(fig.step_tokens_per_second)
         self.steps.inc()
         self.loss.set(fig.loss)
         self.reward.set(fig.reward)
 
-    def serve(self, port: int = DEFAULT_PORT, addr: str | None = None) -> int:
-        """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one).
-
-        ``addr=None`` binds all interfaces inside a Kubernetes pod (Prometheus scrapes the pod
-        IP) and loopback elsewhere.
-        """
-        if addr is None:
-            addr = default_addr()
+    def serve(self, port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one)."""
         server, thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = (server, thread)
         return int(server.server_port)
@@ -111,7 +127,3 @@ class TrainerMetrics:
             if isinstance(thread, threading.Thread):
                 thread.join(timeout=5)
             self._server = None
-
-
-def default_addr() -> str:
-    return "0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"

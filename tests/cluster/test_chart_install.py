@@ -423,7 +423,7 @@ def test_trainer_metrics_endpoint_passes_promlint(promlint: Path) -> None:
     try:
         metrics.observe_step(
             StepFigures(tree_token_ratio=0.4, original_tokens=1000, tree_tokens=400, padded_tokens=20,
-                        seconds=1.5, loss=0.7, reward=0.2)
+                        seconds=1.5, train_seconds=1.0, loss=0.7, reward=0.2)
         )  # fmt: skip
         status, text = http_get(f"http://127.0.0.1:{port}/metrics")
     finally:

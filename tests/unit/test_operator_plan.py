@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator.plan import PlanError, plan, rollout_endpoints
+from rljob_operator.plan import PlanError, plan, rollout_servers, trainer_config
 from rljob_operator.servers import multi_node_command, server_argv
 from treetrain.alloc import parse
+from treetrain.config import validate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
@@ -62,7 +63,7 @@ def test_children_labels_and_owner() -> None:
 
 
 def test_trainer_job_rendezvous() -> None:
-    p = plan(manifest(actor={"backend": "megatron:d2p2t4"}), restart=2)
+    p = plan(manifest(actor={"backend": "fsdp:d4t4"}), restart=2)
     objects = by_kind(p.objects)
     job = objects[("Job", "job-trainer-r2")]
     spec = job["spec"]
@@ -82,25 +83,27 @@ def test_trainer_job_rendezvous() -> None:
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
     }
     assert env["TREETRAIN_CONFIG"] == "/etc/treetrain/config.yaml"
-    assert env["TREETRAIN_CHECKPOINT_DIR"] == "/checkpoints"
     assert env["TREETRAIN_RESTART"] == "2"
-    assert env["TREETRAIN_ROLLOUT_ENDPOINTS"] == (
-        "http://job-rollout-0.job-rollout.ml.svc:30000,http://job-rollout-1.job-rollout.ml.svc:30000"
-    )
+    # Said once, in the config: no env var repeats a config setting.
+    assert not {"TREETRAIN_CHECKPOINT_DIR", "TREETRAIN_ROLLOUT_ENDPOINTS", "TREETRAIN_ATTENTION"} & set(env)
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert container["command"][:3] == ["torchrun", "-m", "treetrain.cli"]
     service = objects[("Service", "job-trainer")]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
 
 
-def test_config_map_passes_trainer_config_through() -> None:
-    p = plan(manifest(trainerConfig={"steps": 10, "lr": 1e-6}, checkpoint={"intervalSteps": 7}))
-    config = yaml.safe_load(by_kind(p.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
-    assert config["trainer"] == {"steps": 10, "lr": 1e-6}
+def test_config_map_is_the_checked_trainer_config() -> None:
+    p = plan(manifest(trainerConfig={"steps": 10, "optimizer": {"lr": 1e-6}}, checkpoint={"intervalSteps": 7}))
+    text = by_kind(p.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"]
+    config = yaml.safe_load(text)
+    assert config["trainer"] == {"steps": 10, "optimizer": {"lr": 1e-6}}
     assert config["checkpoint"] == {"dir": "/checkpoints", "intervalSteps": 7}
     assert config["actor"]["backend"] == "fsdp:d8"
-    assert config["actor"]["treeTraining"] == {"enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto"}
-    assert config["rollout"]["endpoints"] == rollout_endpoints(p)
+    assert config["actor"]["treeTraining"] == {
+        "enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto", "blockSize": 128, "padToMaximum": False,
+    }  # fmt: skip
+    assert config["rollout"]["servers"] == [{"url": u, "kind": k} for u, k in rollout_servers(p)]
+    assert validate(config) == p.config  # the trainer reads back exactly what was planned
 
 
 def test_rollout_statefulset() -> None:
@@ -139,9 +142,9 @@ def test_multi_node_instances() -> None:
     assert 'RANK=$((POD_INDEX % 2)); LEADER="job-rollout-$((POD_INDEX - RANK)).job-rollout.ml.svc"' in script
     assert '--nnodes 2 --node-rank "$RANK" --dist-init-addr "$LEADER:20000"' in script
     # The trainer talks only to instance leaders (ordinals 0 and 2).
-    assert rollout_endpoints(p) == [
-        "http://job-rollout-0.job-rollout.ml.svc:30000",
-        "http://job-rollout-2.job-rollout.ml.svc:30000",
+    assert rollout_servers(p) == [
+        ("http://job-rollout-0.job-rollout.ml.svc:30000", "sglang"),
+        ("http://job-rollout-2.job-rollout.ml.svc:30000", "sglang"),
     ]
 
 
@@ -169,7 +172,7 @@ def test_gang_and_kueue_pod_group() -> None:
 
 
 def test_critic_and_ref() -> None:
-    p = plan(manifest(critic={}, ref={"backend": "fsdp:d2t4"}))
+    p = plan(manifest(critic={}, ref={"backend": "fsdp:d2t4"}, trainerConfig={"algorithm": "ppo"}))
     summary = p.summary()["components"]
     assert summary["critic"] == {"backend": "fsdp:d8", "gpus": 0, "pods": 0, "gpus_per_pod": 8, "nodes": 0,
                                  "world_size": 8, "kind": "training", "colocated_with": "actor"}  # fmt: skip
@@ -180,18 +183,20 @@ def test_critic_and_ref() -> None:
     assert config["critic"] == {"backend": "fsdp:d8", "colocated": True}
 
 
-def test_rollout_kind_in_config() -> None:
-    config = yaml.safe_load(by_kind(plan(manifest()).objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
-    assert config["rollout"]["backend"] == "sglang"
-    mixed = plan(manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d1"}]))
+def test_each_rollout_server_has_its_engines_kind() -> None:
+    mixed = plan(manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d1", "port": 8000}]))
     config = yaml.safe_load(by_kind(mixed.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
-    assert "backend" not in config["rollout"]  # mixed kinds: the trainer asks each server
+    assert config["rollout"]["servers"] == [
+        {"url": "http://job-rollout-0.job-rollout.ml.svc:30000", "kind": "sglang"},
+        {"url": "http://job-rollout-1.job-rollout.ml.svc:30000", "kind": "sglang"},
+        {"url": "http://job-rollout-v-0.job-rollout-v.ml.svc:8000", "kind": "vllm"},
+    ]
 
 
 def test_additional_rollouts() -> None:
     p = plan(manifest(additionalRollouts=[{"name": "small", "backend": "vllm:d2"}]))
     assert ("StatefulSet", "job-rollout-small") in by_kind(p.objects)
-    assert len(rollout_endpoints(p)) == 4
+    assert len(rollout_servers(p)) == 4
 
 
 def test_model_volume() -> None:
@@ -212,6 +217,34 @@ INVALID = [
     ({"gpusPerNode": 0}, "spec.gpusPerNode", "greater than or equal to 1"),
     ({"bogus": 1}, "spec.bogus", "is not a field of RLJob"),
     ({"actor": {}}, "spec.actor.backend", "is required"),
+    # The trainer's own rules, in its words, before anything is created:
+    (
+        {"trainerConfig": {"steps": 10, "lr": 1e-6}},
+        "spec.trainerConfig.lr",
+        "did you mean spec.trainerConfig.optimizer.lr?",
+    ),
+    ({"trainerConfig": {"optimizr": {}}}, "spec.trainerConfig.optimizr", "did you mean spec.trainerConfig.optimizer?"),
+    ({"trainerConfig": {"steps": "10"}}, "spec.trainerConfig.steps", "valid integer"),
+    ({"trainerConfig": {"task": "builtin:chess"}}, "spec.trainerConfig.task", "unknown built-in task 'builtin:chess'"),
+    ({"trainerConfig": {"algorithm": "ppo"}}, "spec.trainerConfig.algorithm", "ppo needs a critic"),
+    (
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
+        "spec.actor.treeTraining.maxTokensPerMicrobatch",
+        "1000 must be a multiple of 128 (lcm of blockSize=128 and t=1); use 896 or 1024",
+    ),
+    (
+        {"actor": {"backend": "fsdp:t8", "treeTraining": {"maxTokensPerMicrobatch": 12, "blockSize": 4}}},
+        "spec.actor.treeTraining.maxTokensPerMicrobatch",
+        "12 must be a multiple of 8 (lcm of blockSize=4 and t=8); use 8 or 16",
+    ),
+    ({"actor": {"backend": "megatron:d8"}}, "spec.actor.backend", "the megatron engine is not built yet"),
+    ({"actor": {"backend": "archon:d8"}}, "spec.actor.backend", "fsdp:d8"),
+    ({"actor": {"backend": "fsdp:c2d4"}}, "spec.actor.backend", "context parallelism is not supported by the FSDP"),
+    (
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},
+        "spec.actor.treeTraining.attention",
+        "'auto', 'flex', 'triton', 'sparse' or 'dense'",
+    ),
     (
         {"additionalRollouts": [{"name": "a", "backend": "sglang:d1"}, {"name": "a", "backend": "sglang:d1"}]},
         "spec.additionalRollouts[1].name",
@@ -238,6 +271,24 @@ def test_every_problem_is_listed() -> None:
     assert [e.path for e in info.value.errors] == [
         "kind", "metadata.name", "spec.bogus", "spec.rollout.backend", "spec.actor.backend",
     ]  # fmt: skip
+
+
+def test_every_trainer_mistake_is_listed_with_its_path() -> None:
+    body = manifest(
+        actor={"backend": "megatron:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000, "attention": "flash"}},
+        trainerConfig={"steps": 10, "lr": 1e-6},
+    )
+    with pytest.raises(PlanError) as info:
+        plan(body)
+    assert sorted(e.path for e in info.value.errors) == [
+        "spec.actor.backend", "spec.actor.treeTraining.attention", "spec.trainerConfig.lr",
+    ]  # fmt: skip
+
+
+def test_the_trainer_reads_the_plan_with_the_same_rules() -> None:
+    # plan() and the trainer share one validation: the mapping plan() checks is what the trainer gets.
+    p = plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}))
+    assert validate(trainer_config(p)) == p.config
 
 
 def test_name_length_limit() -> None:

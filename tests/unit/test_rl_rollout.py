@@ -336,15 +336,14 @@ def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_pa
     checkpoint dir, then pause -> update_weights_from_disk -> continue, once per step."""
     from test_train import small
 
-    from treetrain.trainer import config as C
+    from treetrain import config as C
     from treetrain.trainer.loop import Trainer
 
-    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     raw = small(tmp_path)
     raw["trainer"]["steps"] = 2
     env = {"TREETRAIN_ROLLOUT_ENDPOINTS": sglang.url}
-    trainer = Trainer(C.from_dict(raw, env=env), log=lambda _: None)
+    trainer = Trainer(C.validate(raw, env=env), log=lambda _: None)
     assert trainer.client is not None and trainer.client.kind == "sglang"  # detected from /model_info
     summary = trainer.run()
     trainer.close()

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from treetrain.cli import main
-from treetrain.trainer import config as C
+from treetrain import config as C
 from treetrain.trainer.loop import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,10 @@ def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
     """A seconds-long config: tiny model, 2 groups x 2 samples, 2 turns of 4 tokens."""
     cfg: dict[str, Any] = {
         "model": {"path": "builtin:tiny-llama", "seed": 1},
-        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256}},
+        "actor": {
+            "backend": "fsdp:d1",
+            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
+        },
         "trainer": {
             "steps": 3,
             "task": "builtin:parity",
@@ -44,18 +47,16 @@ def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("WORLD_SIZE", "TREETRAIN_ATTENTION", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG"):
+    # The CLI reads the environment: none of the overrides may leak in from the caller's.
+    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
         monkeypatch.delenv(name, raising=False)
-    for name in ("TREETRAIN_ROLLOUT_ENDPOINTS", "TREETRAIN_CHECKPOINT_DIR"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
 
 
 # -- config ---------------------------------------------------------------------------------
 
 
 def test_the_operator_config_shape_is_accepted() -> None:
-    """Exactly what operator/plan.py::_config_map writes, plus our trainer: section."""
+    """The shape operator/plan.py writes, plus our trainer: section."""
     raw = {
         "model": {"path": "builtin:tiny-llama"},
         "actor": {
@@ -63,14 +64,14 @@ def test_the_operator_config_shape_is_accepted() -> None:
             "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto"},
         },
         "checkpoint": {"dir": "/checkpoints", "intervalSteps": 50},
-        "rollout": {"endpoints": ["http://demo-rollout-0.demo-rollout:30000"]},
+        "rollout": {"servers": [{"url": "http://demo-rollout-0.demo-rollout:30000", "kind": "sglang"}]},
         "trainer": {"steps": 5},
         "ref": {"backend": "fsdp:d1", "colocated": True},
     }
-    cfg = C.from_dict(raw, env={})
+    cfg = C.validate(raw)
     assert cfg.actor.tree_training.max_tokens_per_mb == 32768
     assert cfg.checkpoint.interval_steps == 50
-    assert cfg.rollout.endpoints == ["http://demo-rollout-0.demo-rollout:30000"]
+    assert [(s.url, s.kind) for s in cfg.rollout.servers] == [("http://demo-rollout-0.demo-rollout:30000", "sglang")]
     assert cfg.ref is not None and cfg.trainer.steps == 5
 
 
@@ -79,33 +80,52 @@ def test_the_environment_overrides_the_config() -> None:
         "TREETRAIN_ROLLOUT_ENDPOINTS": "http://a:1, http://b:2",
         "TREETRAIN_CHECKPOINT_DIR": "/ckpt",
         "TREETRAIN_ATTENTION": "dense",
+        "TREETRAIN_BLOCK_SIZE": "32",
     }
-    cfg = C.from_dict(small(), env=env)
-    assert cfg.rollout.endpoints == ["http://a:1", "http://b:2"]
+    cfg = C.validate(small(), env=env)
+    assert [(s.url, s.kind) for s in cfg.rollout.servers] == [("http://a:1", "auto"), ("http://b:2", "auto")]
     assert cfg.checkpoint.dir == "/ckpt"
     assert cfg.actor.tree_training.attention == "dense"
+    assert cfg.actor.tree_training.block_size == 32
+
+
+def test_an_override_that_breaks_a_rule_names_the_variable() -> None:
+    with pytest.raises(C.ConfigError) as info:
+        C.validate(small(), env={"TREETRAIN_BLOCK_SIZE": "100"})
+    (problem,) = info.value.problems
+    assert problem[0] == "actor.treeTraining.maxTokensPerMicrobatch"
+    with pytest.raises(C.ConfigError, match=r"attention: input should be .* got 'magic' \(from TREETRAIN_ATTENTION\)"):
+        C.validate(small(), env={"TREETRAIN_ATTENTION": "magic"})
+    with pytest.raises(C.ConfigError, match="TREETRAIN_BLOCK_SIZE: must be a positive integer, got 'x'"):
+        C.validate(small(), env={"TREETRAIN_BLOCK_SIZE": "x"})
 
 
 @pytest.mark.parametrize(
     ("patch", "env", "expected"),
     [
-        ({"trainer": {"lr": 1}}, {}, "trainer.lr: unknown key; valid keys: "),
-        ({"trainer": {"steps": "ten"}}, {}, "trainer.steps: expected int, got 'ten'"),
-        ({"trainer": {"steps": 0}}, {}, "steps must be >= 1"),
-        ({"trainer": {"optimizer": {"lr": -1.0}}}, {}, "trainer.optimizer: lr must be a positive number"),
-        ({"trainer": {"loss": {"clipEps": 2.0}}}, {}, "clip_eps must be in (0, 1)"),
-        ({"actor": {"backend": "fsdp:d2c2"}}, {}, "context parallelism (c2 in 'fsdp:d2c2') is not supported"),
-        ({"actor": {"backend": "sglang:d2"}}, {}, "actor.backend:"),
-        ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch must be a positive"),
-        ({"actor": {"treeTraining": {"attention": "magic"}}}, {}, "attention must be one of"),
+        ({"trainer": {"lr": 1}}, {}, "trainer.lr: unknown key; did you mean trainer.optimizer.lr?"),
+        ({"trainer": {"stepz": 1}}, {}, "trainer.stepz: unknown key; did you mean trainer.steps?"),
+        ({"trainer": {"steps": "ten"}}, {}, "trainer.steps: input should be a valid integer, got 'ten'"),
+        ({"trainer": {"steps": 0}}, {}, "trainer.steps: input should be greater than or equal to 1, got 0"),
+        ({"trainer": {"optimizer": {"lr": -1.0}}}, {}, "trainer.optimizer.lr: input should be greater than 0"),
+        ({"trainer": {"loss": {"clipEps": 2.0}}}, {}, "trainer.loss.clipEps: input should be less than 1"),
+        ({"trainer": {"task": "builtin:chess"}}, {}, "trainer.task: unknown built-in task 'builtin:chess'"),
+        ({"trainer": {"taskArgs": {"turnz": 2}}}, {}, "trainer.taskArgs.turnz: builtin:parity takes no argument"),
+        ({"trainer": {"task": "builtin:arithmetic"}}, {}, "needs a model with a tokenizer"),
+        ({"actor": {"backend": "fsdp:d2c2"}}, {}, "context parallelism is not supported by the FSDP engine yet (c2"),
+        ({"actor": {"backend": "megatron:t2"}}, {}, "actor.backend: the megatron engine is not built yet"),
+        ({"actor": {"backend": "sglang:d2"}}, {}, "actor.backend: 'sglang:d2' is an inference backend"),
+        ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch: input should be"),
+        ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 100}}}, {}, "100 must be a multiple of 16"),
+        ({"actor": {"treeTraining": {"attention": "magic"}}}, {}, "attention: input should be 'auto', 'flex'"),
         ({"actor": {"treeTraining": {"attention": "flex"}}}, {}, "attention='flex' has no backward on cpu"),
         ({"critic": {"colocated": False}, "trainer": {"algorithm": "ppo"}}, {}, "critic.colocated: false"),
         ({"critic": {"backend": "fsdp:d2"}, "trainer": {"algorithm": "ppo"}}, {}, "world size must be the actor's"),
         ({"trainer": {"algorithm": "ppo"}}, {}, "ppo needs a critic"),
         ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
         ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),
-        ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE=critic"),
-        ({"rollout": {"endpoints": ["http://127.0.0.1:9"]}}, {}, "checkpoint.dir: remote rollout syncs weights"),
+        ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE: critic: separate critic pods"),
+        ({"rollout": {"servers": [{"url": "http://127.0.0.1:9"}]}}, {}, "checkpoint.dir: remote rollout syncs weights"),
     ],
 )
 def test_bad_configs_exit_2_with_the_path(
@@ -141,12 +161,12 @@ def test_every_problem_is_reported_at_once(tmp_path: Path, capsys: pytest.Captur
     path.write_text("actor: {backend: 'fsdp:d1', nope: 1}\ntrainer: {steps: -1, groupSize: x}\n")
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
-    for needle in ("model: required", "actor.nope: unknown key", "trainer.groupSize: expected int"):
+    for needle in ("model: required", "actor.nope: unknown key", "trainer.groupSize: input should be a valid integer"):
         assert needle in err
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [("", "must be a YAML mapping"), ("a: [", "not valid YAML"), (None, "cannot read")]
+    ("text", "expected"), [("", "the config must be a mapping"), ("a: [", "not valid YAML"), (None, "cannot read")]
 )
 def test_unreadable_configs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, expected: str
@@ -201,20 +221,19 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
 def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     # A reference model with KL makes the loss non-trivial (on-policy GRPO alone sums to ~0).
     extra = {"loss": {"klCoef": 0.05}}
-    straight = Trainer(C.from_dict({**small(**extra), "ref": {}}, env={}), log=lambda _: None)
+    straight = Trainer(C.validate({**small(**extra), "ref": {}}), log=lambda _: None)
     want = straight.run().records
     want_params = _params(straight)
     straight.close()
 
-    first = C.from_dict({**small(tmp_path, **extra), "ref": {}}, env={})
-    first.trainer.steps = 2
+    first = C.validate({**small(tmp_path, **extra), "ref": {}}, overrides={"trainer.steps": 2})
     t1 = Trainer(first, log=lambda _: None)
     t1.run()
     t1.close()
     assert (tmp_path / "latest").read_text().strip() == "step-00000002"
 
     lines: list[str] = []
-    t2 = Trainer(C.from_dict({**small(tmp_path, **extra), "ref": {}}, env={}), log=lines.append)
+    t2 = Trainer(C.validate({**small(tmp_path, **extra), "ref": {}}), log=lines.append)
     got = t2.run()
     assert got.start_step == 2 and [r.step for r in got.records] == [3]
     assert any("resumed from" in line for line in lines)
@@ -260,7 +279,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(
 def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
     import signal
 
-    trainer = Trainer(C.from_dict(small(tmp_path), env={}), log=lambda _: None)
+    trainer = Trainer(C.validate(small(tmp_path)), log=lambda _: None)
     step = trainer.train_step
 
     def step_then_sigterm(n: int) -> Any:
@@ -278,7 +297,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
 
 def test_ppo_with_a_tree_packed_critic_trains() -> None:
     raw = {**small(algorithm="ppo"), "critic": {}}
-    trainer = Trainer(C.from_dict(raw, env={}), log=lambda _: None)
+    trainer = Trainer(C.validate(raw), log=lambda _: None)
     summary = trainer.run()
     trainer.close()
     assert len(summary.records) == 3
@@ -287,7 +306,7 @@ def test_ppo_with_a_tree_packed_critic_trains() -> None:
 
 
 def test_several_updates_per_batch_recompute_the_old_logprobs() -> None:
-    trainer = Trainer(C.from_dict(small(ppoEpochs=2, steps=1), env={}), log=lambda _: None)
+    trainer = Trainer(C.validate(small(ppoEpochs=2, steps=1)), log=lambda _: None)
     summary = trainer.run()
     trainer.close()
     (rec,) = summary.records
@@ -304,7 +323,7 @@ def test_a_user_task_loads_from_module_function(tmp_path: Path, monkeypatch: pyt
     monkeypatch.syspath_prepend(str(tmp_path))
     raw = small(task="my_task:make", taskArgs={"turns": 3})
     raw["trainer"]["steps"] = 1
-    trainer = Trainer(C.from_dict(raw, env={}), log=lambda _: None)
+    trainer = Trainer(C.validate(raw), log=lambda _: None)
     rollouts = trainer.collect(0)
     trainer.close()
     assert len(rollouts.samples) == 2 * 2 * 3  # groups x samples x turns: one sample per turn
@@ -338,12 +357,12 @@ def test_the_embedded_default_runs_end_to_end() -> None:
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("trainer-*.yaml")), ids=lambda p: p.name)
 def test_example_configs_are_valid(path: Path) -> None:
-    cfg = C.load(path, env={})
+    cfg = C.load(path)
     assert cfg.trainer.steps >= 1
 
 
 def test_the_embedded_default_is_a_valid_config() -> None:
-    cfg = C.from_dict(C.embedded_default(), env={})
+    cfg = C.validate(C.embedded_default())
     assert cfg.model.path == "builtin:smollm2-135m" and cfg.trainer.task == "builtin:arithmetic"
     assert cfg.actor.tree_training.enabled
     assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400
@@ -359,7 +378,6 @@ def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
-    env["TREETRAIN_BLOCK_SIZE"] = "16"
 
     def torchrun(*extra: str, restart: int = 0) -> subprocess.CompletedProcess[str]:
         with socket.socket() as s:

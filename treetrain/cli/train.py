@@ -20,7 +20,7 @@ examples:
   treetrain train config.yaml --resume             # continue from checkpoint.dir's latest checkpoint
   torchrun --nproc-per-node 2 -m treetrain.cli train config.yaml   # actor.backend: fsdp:d2
 
-The config reference is docs/trainer.md.
+The config reference is docs/trainer.md; the environment overrides are in docs/contracts.md.
 """
 
 
@@ -48,35 +48,42 @@ def _fail(message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from treetrain import config as config_mod
         from treetrain.alloc import AllocationError
         from treetrain.attention import BackendUnavailableError, UnknownBackendError
-        from treetrain.engines.base import EngineConfigError
+        from treetrain.engines import EngineConfigError
         from treetrain.rl.rollout import RolloutError
         from treetrain.rl.task import TaskError
-        from treetrain.trainer import config as config_mod
         from treetrain.trainer.loop import run_training
         from treetrain.tree import PackingError
     except ImportError as err:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
 
-    path = args.config or os.environ.get("TREETRAIN_CONFIG") or None
+    if args.steps is not None and args.steps < 1:
+        return _fail("--steps must be >= 1")
+    # Command-line flags override keys of the config, and are checked like them.
+    overrides: dict[str, Any] = {}
+    if args.steps is not None:
+        overrides["trainer.steps"] = args.steps
+    if args.checkpoint_dir:
+        overrides["checkpoint.dir"] = args.checkpoint_dir
+    if args.metrics_port is not None:
+        overrides["trainer.metrics.port"] = args.metrics_port
+    if args.no_compare:
+        overrides["trainer.compareFlat"] = False
+    # The environment is read here, once: TREETRAIN_CONFIG and the documented overrides.
+    env = dict(os.environ)
+    path = args.config or env.get("TREETRAIN_CONFIG") or None
     try:
-        cfg = config_mod.load(path) if path else config_mod.from_dict(config_mod.embedded_default())
-        if args.steps is not None:
-            if args.steps < 1:
-                return _fail("--steps must be >= 1")
-            cfg.trainer.steps = args.steps
-        if args.checkpoint_dir:
-            cfg.checkpoint.dir = args.checkpoint_dir
-        if args.metrics_port is not None:
-            cfg.trainer.metrics.port = args.metrics_port
-        if args.no_compare:
-            cfg.trainer.compare_flat = False
+        if path:
+            cfg, launch = config_mod.load(path, env=env, overrides=overrides)
+        else:
+            cfg, launch = config_mod.load_default(env=env, overrides=overrides)
     except config_mod.ConfigError as err:
         print(f"treetrain train: {err}", file=sys.stderr)
         return 2
     try:
-        summary = run_training(cfg, resume=args.resume)
+        summary = run_training(cfg, launch=launch, resume=args.resume)
     except (
         EngineConfigError,
         TaskError,

@@ -4,7 +4,17 @@ runs (:mod:`.backends`), and reading YAML plus the environment (:mod:`.load`).""
 
 from treetrain.config.backends import ENGINES, alignment_size, check_training_backend
 from treetrain.config.defaults import embedded_default
-from treetrain.config.load import ENV_OVERRIDES, ConfigError, Launch, dump_yaml, load, read_yaml, validate
+from treetrain.config.load import (
+    ENV_OVERRIDES,
+    ConfigError,
+    Launch,
+    dump_yaml,
+    load,
+    load_default,
+    read_yaml,
+    validate,
+    validate_with_launch,
+)
 from treetrain.config.schema import (
     DEFAULT_BLOCK_SIZE,
     ActorSettings,
@@ -48,6 +58,8 @@ __all__ = [
     "dump_yaml",
     "embedded_default",
     "load",
+    "load_default",
     "read_yaml",
     "validate",
+    "validate_with_launch",
 ]

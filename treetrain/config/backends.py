@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treetrain.alloc import Allocation, AllocationError, parse
+from treetrain.alloc import Allocation, parse
 from treetrain.engines.errors import EngineConfigError
 
 
@@ -40,7 +40,7 @@ def check_training_backend(backend: str) -> Allocation:
     (or the parser's :class:`AllocationError`) with the fix."""
     allocation = parse(backend)
     if allocation.kind != "training":
-        raise AllocationError(
+        raise EngineConfigError(
             f"{backend!r} is an inference backend; a trainer needs fsdp:..., megatron:... or archon:..."
         )
     support = ENGINES[allocation.backend]

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from treetrain.config.check import Problem, Sections, problems
+from treetrain.config.defaults import embedded_default
 from treetrain.config.schema import TrainConfig
 
 # Variable -> the config key it overrides (documented in docs/contracts.md).
@@ -93,6 +94,11 @@ def load(
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError([("", f"{p}: cannot read the config: {getattr(err, 'strerror', None) or err}")]) from None
     return validate_with_launch(read_yaml(text, str(p)), env=env, overrides=overrides)
+
+
+def load_default(*, env: Mapping[str, str], overrides: Mapping[str, Any] | None = None) -> tuple[TrainConfig, Launch]:
+    """The embedded default, with the same environment and overrides as a file."""
+    return validate_with_launch(embedded_default(), env=env, overrides=overrides)
 
 
 def read_yaml(text: str, where: str) -> Any:

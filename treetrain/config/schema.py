@@ -97,11 +97,15 @@ class RoleSettings(Section):
 
 
 class CheckpointSettings(Section):
+    """Resumable checkpoints; a restarted run continues from the latest one."""
+
     dir: str | None = Field(default=None, description="Directory of checkpoints; unset: no checkpoints.")
     interval_steps: int = Field(default=50, ge=1, description="Save every N steps (and after the last one).")
 
 
 class RolloutServer(Section):
+    """One rollout server."""
+
     url: str = Field(min_length=1, description="Base URL of one SGLang or vLLM server.")
     kind: ServerKind = Field(default="auto", description="The server's API; auto: probed when training starts.")
 
@@ -158,10 +162,14 @@ class LossSettings(Section):
 
 
 class ValueLossSettings(Section):
+    """The critic's clipped value loss (PPO)."""
+
     clip_eps: float | None = Field(default=0.2, gt=0, description="Clip range around the old values; null: none.")
 
 
 class MetricsSettings(Section):
+    """The Prometheus endpoint of rank 0."""
+
     enabled: bool = Field(default=True, description="Serve Prometheus metrics (rank 0).")
     port: int = Field(default=9400, ge=0, le=65535, description="Metrics port; 0: any free port.")
     addr: str | None = Field(

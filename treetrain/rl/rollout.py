@@ -27,7 +27,7 @@ REMOTE_KINDS = ("sglang", "vllm")  # the server kinds :func:`remote_client` buil
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
-_NO_ENDPOINTS = "no rollout endpoints: set rollout.endpoints or TREETRAIN_ROLLOUT_ENDPOINTS"
+_NO_ENDPOINTS = "no rollout servers: set rollout.servers or TREETRAIN_ROLLOUT_ENDPOINTS"
 
 
 class RolloutError(RuntimeError):
@@ -382,6 +382,15 @@ class HTTPRollout(RolloutClient):
         _in_parallel(fn, self.endpoints)
 
 
+class HTTPHealth(HTTPRollout):
+    """Only the health wait, for servers whose kind is not known yet."""
+
+    kind = "unknown"
+
+    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+        raise RolloutError(f"{endpoint}: its kind is not known yet; probe it first")
+
+
 class SGLangRollout(HTTPRollout):
     """SGLang's native API: ``POST /generate`` with ``input_ids`` and ``return_logprob``."""
 
@@ -569,12 +578,15 @@ def remote_client(
     timeout_s: float = 600.0,
     retries: int = 3,
     model: str = "",
+    ready_timeout_s: float | None = None,
     transport: Transport = http_json,
 ) -> RolloutClient:
     """The client for rollout ``servers`` given as ``(url, kind)`` with kind ``sglang``, ``vllm`` or
     ``auto`` (probe that server alone). When all are of one kind: a plain :class:`SGLangRollout` or
     :class:`VLLMRollout` over every url; otherwise a :class:`MixedRollout`. ``model`` is vLLM's
-    served model name. A url listed twice is served once (else it would reload weights twice)."""
+    served model name. A url listed twice is served once (else it would reload weights twice).
+    With ``ready_timeout_s``, "auto" servers are first given that long to answer ``/health``
+    (both kinds serve it), so a server still loading its model is probed once it is up."""
     if not servers:
         raise RolloutError(_NO_ENDPOINTS)
     valid = (*REMOTE_KINDS, "auto")
@@ -585,6 +597,8 @@ def remote_client(
             raise RolloutError(f"empty rollout endpoint url in {[u for u, _ in servers]}")
     # Probe each "auto" server on its own, all at once: a dead one costs its timeout once.
     auto = list(dict.fromkeys(url.rstrip("/") for url, kind in servers if kind == "auto"))
+    if auto and ready_timeout_s:
+        HTTPHealth(endpoints=auto, transport=transport).wait_ready(ready_timeout_s)
     probed = dict(zip(auto, _in_parallel(lambda ep: probe_kind(ep, transport), auto), strict=True))
 
     by_kind: dict[str, list[str]] = {k: [] for k in REMOTE_KINDS}  # KINDS order: a stable "sglang+vllm"

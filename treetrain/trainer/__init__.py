@@ -1,1 +1,2 @@
-"""The trainer: its config (:mod:`treetrain.trainer.config`) and the RL loop (:mod:`treetrain.trainer.loop`)."""
+"""The trainer: the RL loop (:mod:`.loop`), its checkpoints (:mod:`.checkpoints`) and the tree vs
+flat comparison (:mod:`.compare`); its config is :mod:`treetrain.config`."""

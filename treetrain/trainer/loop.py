@@ -1,60 +1,36 @@
 """The RL loop: rollouts -> advantages -> tree-packed training -> weight sync, per step.
 
-Every rank runs the same loop on the same batch: rank 0's rollouts are broadcast, every
-rank packs the batch identically and trains its share of the trees.
+The trainer is a composition: engines from :func:`treetrain.engines.build_engine`, rollouts
+and batches from :mod:`treetrain.rl.collect`, a rollout client from :mod:`treetrain.rl.rollout`,
+checkpoints from :mod:`treetrain.trainer.checkpoints`. Every rank runs the same loop on the
+same batch: rank 0's rollouts are broadcast, every rank packs the batch identically and
+trains its share of the trees.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from treetrain.engines import builtin
-from treetrain.engines.base import EngineConfigError, TrainBatch
-from treetrain.engines.fsdp import FSDPEngine, hf_config
-from treetrain.engines.parallel import ParallelLayout, init_distributed
+from treetrain.config import Launch, RoleSettings, TrainConfig
+from treetrain.engines import build_engine, builtin
+from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
 from treetrain.metrics import StepFigures, TrainerMetrics
-from treetrain.rl.losses import group_advantages
-from treetrain.rl.rollout import (
-    Generation,
-    LocalRollout,
-    RolloutClient,
-    SamplingParams,
-    SGLangRollout,
-    VLLMRollout,
-    detect_kind,
-)
+from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch
+from treetrain.rl.losses import PPOLoss, ValueLoss
+from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
 from treetrain.rl.task import Task, load_task
-from treetrain.trainer.config import RoleSettings, TrainConfig
-
-LATEST = "latest"
-
-
-@dataclass(slots=True)
-class Sample:
-    episode: int
-    tokens: list[int]
-    prompt_len: int
-    behav_logprobs: list[float]
-
-
-@dataclass(slots=True)
-class Rollouts:
-    samples: list[Sample]
-    rewards: list[float]  # per episode: mean reward over its turns
-    groups: list[int]  # per episode: its GRPO group
+from treetrain.trainer.checkpoints import Checkpoints
+from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
 
 
 @dataclass(slots=True)
@@ -63,24 +39,22 @@ class StepRecord:
     reward: float
     loss: float
     tree_token_ratio: float
-    tokens_per_second: float
+    original_tokens: int
     seconds: float
     rollout_seconds: float
     train_seconds: float
     grad_norm: float
     stats: dict[str, float] = field(default_factory=dict)
 
-
-@dataclass(slots=True)
-class Comparison:
-    batches: int
-    tree_seconds: float
-    flat_seconds: float
-    tree_token_ratio: float
+    @property
+    def train_tokens_per_second(self) -> float:
+        """Original (unpacked) tokens per second of the training part: what packing speeds up."""
+        return self.original_tokens / self.train_seconds if self.train_seconds > 0 else 0.0
 
     @property
-    def speedup(self) -> float:
-        return self.flat_seconds / self.tree_seconds if self.tree_seconds > 0 else 0.0
+    def step_tokens_per_second(self) -> float:
+        """Original tokens per second of the whole step (rollout, training, weight sync)."""
+        return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -93,63 +67,63 @@ class Summary:
     interrupted: bool = False  # SIGTERM: stopped early after a checkpoint
 
 
-def _seed(*parts: int) -> int:
-    """A stable 63-bit seed from integers (hash() of ints is stable, but spell it out)."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (p + 0x9E3779B97F4A7C15 + (x << 6) + (x >> 2))) & ((1 << 63) - 1)
-    return x
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        launch: Launch | None = None,
+        resume: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.launch = launch or Launch()
         self.resume_required = resume
         self._threads = torch.get_num_threads()
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        self._log = log or (lambda line: print(line, flush=True))
+        self.main = True  # until the actor's layout says otherwise
         try:
-            self._build(cfg, log)
+            self._build(cfg)
         except BaseException:
             torch.set_num_threads(self._threads)  # a failed start leaves the process as it was
             raise
 
-    def _build(self, cfg: TrainConfig, log: Callable[[str], None] | None) -> None:
-        self.layout: ParallelLayout = init_distributed(cfg.actor.backend)
-        self.main = self.layout.is_main
-        self._log = log or (lambda line: print(line, flush=True))
+    def _build(self, cfg: TrainConfig) -> None:
         t = cfg.trainer
         builtin.local_dir(cfg.model.path, self.log)  # a packaged built-in model: converted once, with progress
-        vocab = hf_config(cfg.model).vocab_size
+        # The task before the model: a task that cannot load fails before minutes of weight loading.
         self.task: Task = load_task(t.task, t.task_args, lambda: builtin.load_tokenizer(cfg.model.path))
+        tree = cfg.actor.tree_training
+        self.actor: Engine = build_engine(cfg.model, cfg.actor.backend, role="actor", tree=tree, optimizer=t.optimizer)
+        self.layout = self.actor.layout
+        self.main = self.layout.is_main
+        vocab = self.actor.model.config.vocab_size
         if self.task.vocab_size > vocab:
             raise EngineConfigError(
                 f"task {t.task} uses token ids up to {self.task.vocab_size - 1}, but the model's vocabulary has {vocab}"
             )
-        tree = cfg.actor.tree_training
-        self.actor = FSDPEngine(cfg.model, self.layout, tree, t.optimizer, role="actor")
         # The reference model only feeds the KL term: without it, it is not built at all.
         use_ref = cfg.ref is not None and t.loss.kl_coef > 0
-        self.ref = FSDPEngine(cfg.model, self._layout_of(cfg.ref), tree, None, role="ref") if use_ref else None
+        self.ref = self._colocated(cfg.ref, "ref", optimize=False) if use_ref else None
         if cfg.ref is not None and not use_ref:
             self.log("ref: configured but trainer.loss.klCoef is 0, so no reference model is built")
-        self.critic = (
-            FSDPEngine(cfg.model, self._layout_of(cfg.critic), tree, t.optimizer, role="critic")
-            if cfg.critic is not None
-            else None
-        )
-        self.loss = t.loss.build()
-        self.value_loss = t.value_loss.build()
+        self.critic = self._colocated(cfg.critic, "critic", optimize=True) if cfg.critic is not None else None
+        self.loss = PPOLoss(t.loss)
+        self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
+        self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
         self.batches: list[TrainBatch] = []  # the last few, for the tree vs flat comparison
 
-    def _layout_of(self, settings: RoleSettings | None) -> ParallelLayout:
-        """A colocated critic/ref: the actor's processes, in its own layout when its backend differs."""
-        if settings is None or not settings.backend or settings.backend == self.cfg.actor.backend:
-            return self.layout
-        return init_distributed(settings.backend)
+    def _colocated(self, settings: RoleSettings, role: str, *, optimize: bool) -> Engine:
+        """A critic/ref in the actor's processes, in its own layout when its backend differs."""
+        cfg = self.cfg
+        backend = settings.backend or cfg.actor.backend
+        optimizer = cfg.trainer.optimizer if optimize else None
+        return build_engine(cfg.model, backend, role=role, tree=cfg.actor.tree_training, optimizer=optimizer)
 
     def log(self, line: str) -> None:
         if self.main:
@@ -157,18 +131,20 @@ class Trainer:
 
     # -- setup -----------------------------------------------------------------------------
     def _rollout_client(self) -> RolloutClient | None:
-        r, eps = self.cfg.trainer.rollout, self.cfg.rollout.endpoints
-        kind = r.kind
-        if kind == "auto":
-            backend_kind = self.cfg.rollout.backend.partition(":")[0]
-            kind = backend_kind if backend_kind in ("sglang", "vllm") else ("local" if not eps else "")
-        if kind == "local":
+        r, servers = self.cfg.trainer.rollout, self.cfg.rollout.servers
+        if r.kind == "local" or (r.kind == "auto" and not servers):
             return LocalRollout(self.actor.model, self.layout.device)
         if not self.main:
             return None  # only rank 0 talks to the servers; the others get its results
-        kind = kind or detect_kind(eps)
-        common: dict[str, Any] = {"endpoints": list(eps), "timeout_s": r.timeout_seconds, "retries": r.retries}
-        client: RolloutClient = SGLangRollout(**common) if kind == "sglang" else VLLMRollout(model=r.model, **common)
+        # A server's own kind wins; trainer.rollout.kind names the ones left to auto.
+        pairs = [(s.url, r.kind if s.kind == "auto" else s.kind) for s in servers]
+        client = remote_client(
+            pairs,
+            timeout_s=r.timeout_seconds,
+            retries=r.retries,
+            model=r.model,
+            ready_timeout_s=r.ready_timeout_seconds,
+        )
         client.wait_ready(r.ready_timeout_seconds)
         return client
 
@@ -180,50 +156,33 @@ class Trainer:
         m = self.cfg.trainer.metrics
         if not (self.main and m.enabled):
             return
+        addr = m.addr or ("0.0.0.0" if self.launch.in_pod else "127.0.0.1")  # Prometheus scrapes the pod IP
         try:
-            self.metrics_port = self.metrics.serve(m.port, m.addr)
+            self.metrics_port = self.metrics.serve(m.port, addr)
         except OSError as err:
             # A busy port must not stop training (say, a second run on one machine): any free port.
-            self.metrics_port = self.metrics.serve(0, m.addr)
+            self.metrics_port = self.metrics.serve(0, addr)
             self.log(f"metrics: port {m.port} unavailable ({err.strerror}); serving on port {self.metrics_port}")
-        addr = m.addr or ("0.0.0.0" if os.environ.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1")
         self.log(f"metrics: http://{addr}:{self.metrics_port}/metrics")
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _ckpt_root(self) -> Path | None:
-        d = self.cfg.checkpoint.dir
-        return Path(d) if d else None
-
-    def latest_checkpoint(self) -> Path | None:
-        root = self._ckpt_root()
-        if root is None or not (root / LATEST).is_file():
-            return None
-        path = root / (root / LATEST).read_text().strip()
-        return path if path.is_dir() else None
-
-    def save(self, step: int) -> Path:
-        root = self._ckpt_root()
-        assert root is not None
-        path = root / f"step-{step:08d}"
+    def save(self, step: int) -> None:
+        path = self.checkpoints.step_dir(step)
         extra = {"step": step}
         self.actor.save(path, extra)
         if self.critic is not None:
             self.critic.save(path, extra)
         self._barrier()
         if self.main:
-            tmp = root / (LATEST + ".tmp")
-            tmp.write_text(path.name + "\n")
-            tmp.replace(root / LATEST)  # atomic: a crash never leaves a half-written pointer
-            _prune(root, "step-", keep=self.cfg.trainer.keep_checkpoints)
+            self.checkpoints.commit(path)
         self._barrier()
-        return path
 
     def _restore(self) -> int:
-        restart = int(os.environ.get("TREETRAIN_RESTART", "0") or 0)
-        path = self.latest_checkpoint()
+        path = self.checkpoints.latest()
         if path is None:
+            restart = self.launch.restart
             if self.resume_required or restart > 0:
-                where = self._ckpt_root() or "(no checkpoint.dir set)"
+                where = self.checkpoints.root or "(no checkpoint.dir set)"
                 if self.resume_required:
                     raise FileNotFoundError(f"--resume: no checkpoint in {where}")
                 self.log(f"restart {restart}: no checkpoint in {where} yet; starting from step 0")
@@ -249,85 +208,21 @@ class Trainer:
         return gens
 
     def collect(self, step: int) -> Rollouts:
-        t = self.cfg.trainer
-        r = t.rollout
-        params = SamplingParams(
-            max_new_tokens=self.task.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            stop_token_ids=tuple(getattr(self.task, "stop_token_ids", ())),
-        )
-        episodes, groups = [], []
-        for g in range(t.groups_per_step):
-            for _ in range(t.group_size):  # one group: the same episode seed, different samples
-                episodes.append(self.task.episode(_seed(t.seed, step, g)))
-                groups.append(g)
-        history = [ep.prompt() for ep in episodes]
-        totals = [0.0] * len(episodes)
-        turns = [0] * len(episodes)
-        active = list(range(len(episodes)))
-        samples: list[Sample] = []
-        turn = 0
-        while active:
-            gens = self._generate([history[i] for i in active], params, _seed(t.seed, step, 1_000_003, turn))
-            still = []
-            for i, gen in zip(active, gens, strict=True):
-                tokens = history[i] + gen.tokens
-                samples.append(
-                    Sample(episode=i, tokens=tokens, prompt_len=len(history[i]), behav_logprobs=gen.logprobs)
-                )
-                nxt, reward = episodes[i].respond(list(gen.tokens))
-                totals[i] += reward
-                turns[i] += 1
-                if nxt is not None:
-                    history[i] = tokens + list(nxt)
-                    still.append(i)
-            active = still
-            turn += 1
+        rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step)
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
-        rewards = [total / max(n, 1) for total, n in zip(totals, turns, strict=True)]
-        return Rollouts(samples=samples, rewards=rewards, groups=groups)
-
-    def make_batch(self, rollouts: Rollouts) -> TrainBatch:
-        t = self.cfg.trainer
-        if t.algorithm == "grpo":
-            adv = group_advantages(rollouts.rewards, rollouts.groups, normalize_std=t.normalize_advantages)
-        else:
-            adv = rollouts.rewards  # PPO: returns; advantages come from the critic below
-        seqs, masks, advs, behav, returns = [], [], [], [], []
-        for s in rollouts.samples:
-            n = len(s.tokens) - 1
-            mask = torch.zeros(n)
-            mask[s.prompt_len - 1 :] = 1.0  # position i predicts token i + 1: the response tokens
-            b = torch.zeros(n)
-            b[s.prompt_len - 1 :] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
-            seqs.append(s.tokens)
-            masks.append(mask)
-            advs.append(torch.full((n,), float(adv[s.episode])))
-            returns.append(torch.full((n,), float(rollouts.rewards[s.episode])))
-            behav.append(b)
-        tensors: dict[str, list[torch.Tensor]] = {"advantages": advs, "behav_logprobs": behav}
-        if t.algorithm == "ppo":
-            tensors["returns"] = returns
-        return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
+        return rollouts
 
     def train_step(self, step: int) -> StepRecord:
         t0 = time.perf_counter()
         rollouts = self.collect(step)
-        batch = self.make_batch(rollouts)
+        batch = make_batch(rollouts, self.cfg.trainer)
         t1 = time.perf_counter()
         if self.ref is not None:
             batch.tensors["ref_logprobs"] = self.ref.forward(batch.sequences)
         extra: dict[str, float] = {}
         if self.critic is not None:
-            values = self.critic.forward(batch.sequences)
-            batch.tensors["old_values"] = values
-            rets = batch.tensors["returns"]
-            batch.tensors["advantages"] = [(r - v) for r, v in zip(rets, values, strict=True)]
-            cstats = self.critic.forward_backward(batch, self.value_loss)
-            self.critic.step()
-            extra["value_loss"] = cstats.loss
+            extra["value_loss"] = self._train_critic(batch)
         epochs = self.cfg.trainer.ppo_epochs
         if epochs > 1:
             # Several updates on one batch: the ratio needs the policy that generated it (before
@@ -339,43 +234,54 @@ class Trainer:
         t2 = time.perf_counter()
         if self.remote:
             self._sync_weights(step + 1)
-        seconds = time.perf_counter() - t0
         self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
-        reward = sum(rollouts.rewards) / max(len(rollouts.rewards), 1)
-        fig = StepFigures(
+        record = StepRecord(
+            step=step + 1,
+            reward=rollouts.mean_reward,
+            loss=stats.loss,
             tree_token_ratio=stats.tree_token_ratio,
             original_tokens=stats.original_tokens,
-            tree_tokens=stats.tree_tokens,
-            padded_tokens=stats.padded_tokens,
-            seconds=seconds,
-            loss=stats.loss,
-            reward=reward,
-        )
-        if self.main:
-            self.metrics.observe_step(fig)
-        return StepRecord(
-            step=step + 1,
-            reward=reward,
-            loss=stats.loss,
-            tree_token_ratio=stats.tree_token_ratio,
-            tokens_per_second=stats.original_tokens / (t2 - t1) if t2 > t1 else 0.0,
-            seconds=seconds,
+            seconds=time.perf_counter() - t0,
             rollout_seconds=t1 - t0,
             train_seconds=t2 - t1,
             grad_norm=norm,
             stats={**stats.stats, **extra},
         )
+        if self.main:
+            self.metrics.observe_step(
+                StepFigures(
+                    tree_token_ratio=stats.tree_token_ratio,
+                    original_tokens=stats.original_tokens,
+                    tree_tokens=stats.tree_tokens,
+                    padded_tokens=stats.padded_tokens,
+                    seconds=record.seconds,
+                    train_seconds=record.train_seconds,
+                    loss=stats.loss,
+                    reward=record.reward,
+                )
+            )
+        return record
+
+    def _train_critic(self, batch: TrainBatch) -> float:
+        """PPO: values of the batch, advantages = return - value, then one critic update."""
+        assert self.critic is not None
+        values = self.critic.forward(batch.sequences)
+        batch.tensors["old_values"] = values
+        returns = batch.tensors["returns"]
+        batch.tensors["advantages"] = [r - v for r, v in zip(returns, values, strict=True)]
+        stats = self.critic.forward_backward(batch, self.value_loss)
+        self.critic.step()
+        return stats.loss
 
     def _sync_weights(self, version: int) -> None:
-        root = self._ckpt_root()
-        if root is None:
+        if self.checkpoints.root is None:
             raise EngineConfigError("remote rollout needs checkpoint.dir (a path the rollout servers also mount)")
-        path = root / "weights" / f"v{version:08d}"
+        path = self.checkpoints.weights_dir(version)
         self.actor.export_hf(path)
         if self.main:
             assert self.client is not None
             self.client.update_weights(str(path), version)
-            _prune(path.parent, "v", keep=1)  # every server has loaded this version: older ones go
+            self.checkpoints.prune_weights()  # every server has loaded this version: older ones go
         self._barrier()
 
     # -- the whole run ---------------------------------------------------------------------
@@ -398,26 +304,23 @@ class Trainer:
                 rec = self.train_step(step)
                 records.append(rec)
                 self.log(format_record(rec, t.steps))
-                interval = self.cfg.checkpoint.interval_steps
                 saved = False
-                if self._ckpt_root() is not None and (rec.step % interval == 0 or rec.step == t.steps):
+                if self.checkpoints.root is not None and (
+                    rec.step % self.cfg.checkpoint.interval_steps == 0 or rec.step == t.steps
+                ):
                     self.save(rec.step)
                     saved = True
                 if rec.step < t.steps and self._stop_requested():
                     # Kubernetes sends SIGTERM before it kills a pod: keep the step just trained.
-                    if self._ckpt_root() is not None and not saved:
+                    if self.checkpoints.root is not None and not saved:
                         self.save(rec.step)
-                    self.log(f"SIGTERM: stopped after step {rec.step} (checkpoint: {self.latest_checkpoint()})")
+                    self.log(f"SIGTERM: stopped after step {rec.step} (checkpoint: {self.checkpoints.latest()})")
                     interrupted = True
                     break
-        seconds = time.perf_counter() - begin  # the training steps only, not the comparison below
-        run_compare = t.compare_flat and self.batches and not interrupted
-        comparison = self.compare(t.compare_rounds) if run_compare else None
         return Summary(
             records=records,
-            seconds=seconds,
+            seconds=time.perf_counter() - begin,
             start_step=start,
-            comparison=comparison,
             metrics_port=self.metrics_port,
             interrupted=interrupted,
         )
@@ -446,33 +349,9 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())  # host sync: once per step
 
-    def compare(self, repeat: int) -> Comparison:
-        """Train the same batches tree-packed and flat (gradients thrown away).
-
-        One burn-in pass per mode (the flat micro-batches have shapes training never ran:
-        without it their first allocations inflate the speedup by a third on a CPU), then
-        ``repeat`` measured rounds that alternate the modes, so a load change on a shared
-        machine hits both; the best round of each counts. On a CPU every op has finished when
-        the call returns (on a GPU: synchronize first).
-        """
-        times = {True: float("inf"), False: float("inf")}
-        for mode in (True, False):
-            self.actor.forward_backward(self.batches[0], self.loss, tree=mode)  # burn-in
-            self.actor.zero_grad()
-        for _ in range(repeat):
-            for mode in (True, False):
-                _sync()
-                t0 = time.perf_counter()
-                for b in self.batches:
-                    self.actor.forward_backward(b, self.loss, tree=mode)
-                _sync()
-                times[mode] = min(times[mode], time.perf_counter() - t0)
-                self.actor.zero_grad()
-        packed = [self.actor.pack(b.sequences, tree=True).stats for b in self.batches]
-        ratio = sum(s.tree_tokens for s in packed) / max(sum(s.original_tokens for s in packed), 1)
-        return Comparison(
-            batches=len(self.batches), tree_seconds=times[True], flat_seconds=times[False], tree_token_ratio=ratio
-        )
+    def compare(self) -> Comparison:
+        """The last batches trained tree vs flat (``trainer.compareFlat``)."""
+        return compare_tree_vs_flat(self.actor, self.loss, self.batches, rounds=self.cfg.trainer.compare_rounds)
 
     def close(self) -> None:
         self.metrics.close()
@@ -481,34 +360,21 @@ class Trainer:
         torch.set_num_threads(self._threads)
 
 
-def _prune(root: Path, prefix: str, *, keep: int) -> None:
-    """Delete all but the newest ``keep`` directories ``root/<prefix><zero-padded number>``."""
-    found = sorted(p for p in root.glob(prefix + "*") if p.is_dir() and p.name[len(prefix) :].isdigit())
-    for old in found[: max(0, len(found) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def format_record(rec: StepRecord, total: int) -> str:
     width = len(str(total))
     return (
         f"step {rec.step:>{width}}/{total} | reward {rec.reward:.3f} | loss {rec.loss:+.4f} | "
-        f"tree_token_ratio {rec.tree_token_ratio:.3f} | {rec.tokens_per_second:,.0f} tokens/s | "
+        f"tree_token_ratio {rec.tree_token_ratio:.3f} | train {rec.train_tokens_per_second:,.0f} tokens/s | "
         f"step {rec.seconds:.2f}s (rollout {rec.rollout_seconds:.2f}s, train {rec.train_seconds:.2f}s)"
     )
 
 
 def format_summary(summary: Summary) -> list[str]:
     lines = []
-    done = len(summary.records)
     if summary.records:
         last = summary.records[-1]
         lines.append(
-            f"done: {done} steps in {summary.seconds:.1f}s; last step reward {last.reward:.3f}, "
+            f"done: {len(summary.records)} steps in {summary.seconds:.1f}s; last step reward {last.reward:.3f}, "
             f"tree_token_ratio {last.tree_token_ratio:.3f}"
         )
     c = summary.comparison
@@ -524,16 +390,19 @@ def format_summary(summary: Summary) -> list[str]:
     return lines
 
 
-def run_training(cfg: TrainConfig, *, resume: bool = False, out: Any = None) -> Summary:
-    """Build, run and close a trainer (what ``treetrain train`` calls)."""
+def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool = False, out: Any = None) -> Summary:
+    """Build, run and close a trainer, then (``trainer.compareFlat``) time tree vs flat:
+    what ``treetrain train`` calls."""
     stream = out or sys.stdout
 
     def log(line: str) -> None:
         print(line, file=stream, flush=True)
 
-    trainer = Trainer(cfg, resume=resume, log=log)
+    trainer = Trainer(cfg, launch=launch, resume=resume, log=log)
     try:
         summary = trainer.run()
+        if cfg.trainer.compare_flat and trainer.batches and not summary.interrupted:
+            summary.comparison = trainer.compare()
         for line in format_summary(summary):
             trainer.log(line)
         return summary
