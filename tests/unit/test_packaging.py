@@ -27,7 +27,7 @@ def test_every_package_is_listed() -> None:
 
 def test_operator_side_imports_without_torch() -> None:
     code = (
-        "import sys, treetrain, treetrain.alloc, treetrain.cli, rljob_operator, rljob_operator.cli\n"
+        "import sys, treetrain, treetrain.alloc, treetrain.cli, treetrain.config, rljob_operator, rljob_operator.cli\n"
         "import rljob_operator.handlers, rljob_operator.runner, rljob_operator.plan, rljob_operator.crd\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'megatron', 'triton') if m in sys.modules)\n"
         "print(','.join(heavy))\n"

@@ -20,7 +20,7 @@ from treetrain.config.schema import (
     RolloutServers,
     TrainerSettings,
 )
-from treetrain.engines import builtin
+from treetrain.engines import catalog
 from treetrain.engines.errors import EngineConfigError
 from treetrain.rl.task import BUILTIN_TASKS
 from treetrain.tree.pack import capacity_problem
@@ -76,7 +76,7 @@ def check_model(s: Sections) -> list[Problem]:
     if s.model is None or not s.fine("model.path"):
         return []
     try:
-        builtin.check_path(s.model.path)
+        catalog.check_path(s.model.path)
     except EngineConfigError as err:
         return [("model.path", str(err))]
     return []
@@ -179,7 +179,7 @@ def check_task(s: Sections) -> list[Problem]:
             found.append((f"trainer.taskArgs.{key}", f"{spec} takes no argument {key!r}; valid: {', '.join(valid)}"))
     tokenizer = params.get("tokenizer")
     needs_text = tokenizer is not None and tokenizer.default is inspect.Parameter.empty
-    if needs_text and s.model is not None and s.fine("model.path") and builtin.random_config(s.model.path) is not None:
+    if needs_text and s.model is not None and s.fine("model.path") and catalog.random_config(s.model.path) is not None:
         found.append(
             (
                 "trainer.task",
