@@ -1,0 +1,181 @@
+"""The trainer config schema (treetrain.config): one set of rules for the trainer, `rljob plan`
+and the operator. Torch-free: nothing here builds a model."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rljob_operator.plan import PlanError, plan
+from treetrain import config as C
+from treetrain.config.reference import table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def minimal(**sections: Any) -> dict[str, Any]:
+    return {"model": {"path": "builtin:tiny-llama"}, **sections}
+
+
+def problems(raw: Any, **kwargs: Any) -> dict[str, str]:
+    with pytest.raises(C.ConfigError) as info:
+        C.validate(raw, **kwargs)
+    return dict(info.value.problems)
+
+
+def test_defaults_fill_everything_not_written() -> None:
+    cfg = C.validate(minimal())
+    assert cfg.actor.backend == "fsdp:d1" and cfg.actor.tree_training.block_size == C.DEFAULT_BLOCK_SIZE
+    assert cfg.trainer.optimizer.lr == 1e-6 and cfg.rollout.servers == []
+
+
+def test_camel_and_snake_case_keys_are_both_read() -> None:
+    camel = C.validate(minimal(trainer={"groupsPerStep": 3, "optimizer": {"maxGradNorm": 0.5}}))
+    snake = C.validate(minimal(trainer={"groups_per_step": 3, "optimizer": {"max_grad_norm": 0.5}}))
+    assert camel == snake and camel.trainer.groups_per_step == 3
+
+
+@pytest.mark.parametrize(
+    ("raw", "path", "hint"),
+    [
+        (minimal(trainer={"lr": 1e-6}), "trainer.lr", "did you mean trainer.optimizer.lr?"),
+        (minimal(optimizer={"lr": 1e-6}), "optimizer", "did you mean trainer.optimizer?"),
+        (minimal(trainer={"optimizr": {}}), "trainer.optimizr", "did you mean trainer.optimizer?"),
+        (minimal(actor={"tree_trainin": {}}), "actor.tree_trainin", "did you mean actor.treeTraining?"),
+        (minimal(trainer={"loss": {"kl": 1}}), "trainer.loss.kl", "valid keys: clipEps, clipEpsHigh"),
+        (minimal(maxTokensPerMicrobatch=64), "maxTokensPerMicrobatch", "actor.treeTraining.maxTokensPerMicrobatch"),
+    ],
+)
+def test_unknown_keys_say_where_they_belong(raw: dict[str, Any], path: str, hint: str) -> None:
+    found = problems(raw)
+    assert path in found and found[path].startswith("unknown key"), found
+    assert hint in found[path]
+
+
+def test_every_problem_at_once_even_across_broken_sections() -> None:
+    # The actor's tree section is broken (a bad attention name), yet its backend is still
+    # judged; the trainer section has a typo, yet its task is still checked.
+    raw = minimal(
+        actor={"backend": "megatron:d8", "treeTraining": {"attention": "flash"}},
+        trainer={"lr": 1, "task": "builtin:chess"},
+    )
+    assert set(problems(raw)) == {
+        "actor.treeTraining.attention", "actor.backend", "trainer.lr", "trainer.task",
+    }  # fmt: skip
+
+
+def test_a_broken_key_is_not_judged_at_its_default() -> None:
+    # algorithm is broken: the GRPO/critic rule must not fire against the default "grpo".
+    found = problems(minimal(critic={}, trainer={"algorithm": "PPO"}))
+    assert list(found) == ["trainer.algorithm"]
+
+
+def test_yaml_reads_exponent_floats_as_numbers() -> None:
+    # PyYAML (YAML 1.1) reads `1e-6` as a string; a config file must not depend on the dot.
+    assert C.read_yaml("lr: 1e-6\nb: 2.5E+3\nc: '1e-6'\nd: 7\n", "t") == {"lr": 1e-6, "b": 2500.0, "c": "1e-6", "d": 7}
+
+
+def test_strict_types_refuse_strings_for_numbers() -> None:
+    assert "trainer.steps" in problems(minimal(trainer={"steps": "10"}))
+    assert "actor.treeTraining.enabled" in problems(minimal(actor={"treeTraining": {"enabled": "yes"}}))
+
+
+def test_overrides_are_checked_like_the_keys_they_replace() -> None:
+    cfg = C.validate(minimal(), overrides={"trainer.steps": 7, "checkpoint.dir": "/c"})
+    assert cfg.trainer.steps == 7 and cfg.checkpoint.dir == "/c"
+    assert "trainer.steps" in problems(minimal(), overrides={"trainer.steps": 0})
+
+
+def test_launch_facts_come_from_the_environment() -> None:
+    _, launch = C.validate_with_launch(minimal(), env={"TREETRAIN_RESTART": "2", "KUBERNETES_SERVICE_HOST": "x"})
+    assert launch == C.Launch(restart=2, in_pod=True)
+    assert "TREETRAIN_RESTART" in problems(minimal(), env={"TREETRAIN_RESTART": "-1"})
+
+
+def test_engine_support_is_one_table() -> None:
+    assert C.check_training_backend("fsdp:d2t2").world_size == 4
+    for backend, phrase in [
+        ("megatron:d2", "not built yet"),
+        ("archon:(attn:d2|ffn:e2)", "not built yet"),
+        ("fsdp:c2", "context parallelism"),
+        ("vllm:d2", "inference backend"),
+    ]:
+        with pytest.raises(ValueError, match=phrase):
+            C.check_training_backend(backend)
+
+
+def test_the_trainer_config_reference_in_the_docs_is_generated() -> None:
+    doc = (ROOT / "docs" / "trainer.md").read_text()
+    begin = doc.index("-->\n", doc.index("<!-- BEGIN generated")) + 4
+    end = doc.index("<!-- END generated -->")
+    assert doc[begin:end] == table(), "docs/trainer.md is stale: run python docs/generate.py"
+
+
+# -- what the operator writes, the trainer reads unchanged ----------------------------------
+
+EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+BLOCKS = (16, 64, 128)
+
+
+@st.composite
+def rljobs(draw: st.DrawFn) -> dict[str, Any]:
+    """Valid RLJob manifests over the fields that reach the trainer config."""
+    tp = draw(st.sampled_from((1, 2, 4, 8)))
+    dp = draw(st.sampled_from((1, 2, 4, 8))) if tp == 1 else 8 // tp
+    block = draw(st.sampled_from(BLOCKS))
+    align = math.lcm(block, tp)
+    tree = {
+        "enabled": draw(st.booleans()),
+        "maxTokensPerMicrobatch": align * draw(st.integers(1, 64)),
+        "attention": draw(st.sampled_from(("auto", "sparse", "dense", "flex", "triton"))),
+        "blockSize": block,
+        "padToMaximum": draw(st.booleans()),
+    }
+    algorithm = draw(st.sampled_from(("grpo", "ppo")))
+    trainer: dict[str, Any] = {"algorithm": algorithm}
+    if draw(st.booleans()):
+        trainer["steps"] = draw(st.integers(1, 10_000))
+    if draw(st.booleans()):
+        trainer["optimizer"] = {"lr": draw(st.floats(1e-8, 1e-2)), "betas": [0.9, draw(st.floats(0.9, 0.999))]}
+    if draw(st.booleans()):
+        trainer["loss"] = {"clipEps": draw(st.floats(0.05, 0.3)), "klCoef": 0.0, "dualClip": 3.0}
+    if draw(st.booleans()):
+        trainer["task"] = "my_pkg.tasks:make"
+        trainer["taskArgs"] = {"split": draw(st.text(max_size=8)), "n": draw(st.integers(-5, 5))}
+    if draw(st.booleans()):
+        trainer["rollout"] = {"temperature": draw(st.floats(0.1, 2.0)), "topP": draw(st.floats(0.1, 1.0))}
+    spec: dict[str, Any] = copy.deepcopy(EXAMPLE["spec"])
+    spec["actor"] = {"backend": f"fsdp:d{dp}t{tp}", "treeTraining": tree}
+    spec["trainerConfig"] = trainer
+    spec["rollout"] = {"backend": draw(st.sampled_from(("sglang:d2t4", "vllm:d1t8", "sglang:d4t2")))}
+    if draw(st.booleans()):
+        spec["additionalRollouts"] = [{"name": "small", "backend": "vllm:d2t2", "port": 8000}]
+    if algorithm == "ppo":
+        spec["critic"] = {"backend": draw(st.sampled_from(("", f"fsdp:d{dp * tp}")))}
+    if draw(st.booleans()):
+        spec["ref"] = {}
+    spec["checkpoint"] = {"intervalSteps": draw(st.integers(1, 1000))}
+    spec["model"] = {"path": draw(st.sampled_from(("Qwen/Qwen3-8B", "builtin:tiny-llama", "org/m")))}
+    return {**EXAMPLE, "metadata": {"name": "job", "namespace": "ml"}, "spec": spec}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rljobs())
+def test_every_config_the_operator_writes_is_accepted_by_the_trainer_unchanged(manifest: dict[str, Any]) -> None:
+    try:
+        p = plan(manifest)
+    except PlanError as err:  # pragma: no cover - the strategy makes valid RLJobs only
+        raise AssertionError(f"a valid RLJob was refused: {err}") from None
+    (config_map,) = [o for o in p.objects if o["kind"] == "ConfigMap"]
+    text = config_map["data"]["config.yaml"]
+    # What the trainer pod does: read the mounted file with the pod's environment (no overrides).
+    read, launch = C.validate_with_launch(C.read_yaml(text, "config.yaml"), env={"TREETRAIN_RESTART": "0"})
+    assert read == p.config
+    assert C.dump_yaml(read) == text  # and writes it back byte for byte
