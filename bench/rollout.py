@@ -22,8 +22,7 @@ import time
 
 import torch
 
-from treetrain.engines import builtin
-from treetrain.engines.fsdp import ModelConfig, build_model
+from treetrain.engines.fsdp import ModelSource, build_model
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import Task, load_task
 
@@ -64,8 +63,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    model = build_model(ModelConfig(path=args.model))
-    task = load_task("builtin:arithmetic", {"turns": args.turns}, lambda: builtin.load_tokenizer(args.model))
+    source = ModelSource.resolve(args.model)
+    model = build_model(source)
+    task = load_task("builtin:arithmetic", {"turns": args.turns}, source.load_tokenizer)
     rollout = LocalRollout(model, torch.device("cpu"))
     print(f"{args.model}: {args.groups} groups x {args.group_size} samples, {args.turns} turns, local rollout")
     best: dict[str, float] = {}

@@ -146,10 +146,17 @@ def tree_logprobs(
     Returns, in input order, one fp32 tensor of length ``len(seq) - 1`` per sequence:
     entry ``i`` is ``log p(seq[i + 1] | seq[: i + 1])``. Gradients flow to the model.
     The model is switched to the ``"treetrain"`` attention implementation, which behaves
-    like ``sdpa`` outside tree forwards. ``attention`` is a ``TREETRAIN_ATTENTION`` name.
+    like ``sdpa`` outside tree forwards. ``attention`` is an attention backend name
+    (``auto``, ``sparse``, ``dense``, ``flex``, ``triton``).
+
+    An entry point, so it reads the environment (here, at its top, and nowhere below):
+    ``TREETRAIN_ATTENTION`` names the backend when ``attention`` is ``"auto"``, and
+    ``TREETRAIN_BLOCK_SIZE`` sets the attention block size (default 128);
+    ``max_tokens_per_mb`` must be a multiple of it.
     """
-    logps, _ = tree_logprobs_entropy(
-        model, sequences, max_tokens_per_mb=max_tokens_per_mb, attention=attention, with_entropy=False
+    attention, block_size = _environment(attention)
+    logps, _ = _tree_logprobs(
+        model, sequences, max_tokens_per_mb, attention, block_size, with_entropy=False, chunk_size=DEFAULT_CHUNK_SIZE
     )
     return logps
 
@@ -163,22 +170,51 @@ def tree_logprobs_entropy(
     with_entropy: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`tree_logprobs` plus, per sequence, the entropy of each predictive distribution."""
-    from treetrain.attention import TreeAttentionMeta, block_size, resolve, tree_forward, use_tree_attention
+    """:func:`tree_logprobs` plus, per sequence, the entropy of each predictive distribution
+    (the same environment variables apply)."""
+    attention, block_size = _environment(attention)
+    return _tree_logprobs(model, sequences, max_tokens_per_mb, attention, block_size, with_entropy, chunk_size)
+
+
+def _environment(attention: str) -> tuple[str, int]:
+    """``TREETRAIN_ATTENTION`` (for ``auto``) and ``TREETRAIN_BLOCK_SIZE``, read by the entry points."""
+    import os
+
+    from treetrain.config import DEFAULT_BLOCK_SIZE
+
+    if attention == "auto":
+        attention = os.environ.get("TREETRAIN_ATTENTION", "").strip() or "auto"
+    raw = os.environ.get("TREETRAIN_BLOCK_SIZE", "").strip()
+    if not raw:
+        return attention, DEFAULT_BLOCK_SIZE
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TREETRAIN_BLOCK_SIZE must be a positive integer, got {raw!r}")
+    return attention, int(raw)
+
+
+def _tree_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    max_tokens_per_mb: int,
+    attention: str,
+    block_size: int,
+    with_entropy: bool,
+    chunk_size: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    from treetrain.attention import TreeAttentionMeta, resolve, tree_forward, use_tree_attention
 
     if not sequences:
         return [], []
     device = _model_device(model)
     needs_grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
     backend = resolve(attention, device, needs_grad=needs_grad)
-    blocks = block_size()
-    batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=blocks))
+    batch = pack(sequences, PackConfig(max_tokens_per_mb=max_tokens_per_mb, block_size=block_size))
     use_tree_attention(model)
     per_tree_logp: list[list[torch.Tensor]] = []
     per_tree_ent: list[list[torch.Tensor]] = []
     for tree in batch.trees:
         tensors = TreeTensors.from_tree(tree, device)
-        meta = TreeAttentionMeta.from_tree(tree, backend=backend, block_size=blocks, device=device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=backend, block_size=block_size, device=device)
         with tree_forward():
             out = model(
                 input_ids=tensors.input_ids_N[None],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from rljob_operator.handlers import Controller
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.rbac import RULES
 from rljob_operator.runner import make_controller, serve
+from treetrain.config import read_yaml, validate
 
 if TYPE_CHECKING:
     from conftest import Cluster
@@ -216,8 +218,12 @@ def test_example_runs_then_succeeds(cluster: Cluster, namespace: str, operator: 
         assert int(nodes[pod.spec.node_name].status.allocatable["nvidia.com/gpu"]) >= 4
     env = {e.name: e.value for e in job.spec.template.spec.containers[0].env if e.value is not None}
     assert env["PET_MASTER_ADDR"] == f"demo-trainer-0.demo-trainer.{namespace}.svc"
-    assert env["TREETRAIN_ROLLOUT_ENDPOINTS"].split(",") == [
-        f"http://demo-rollout-{i}.demo-rollout.{namespace}.svc:30000" for i in range(2)
+    # The rollout servers are in the mounted config, with their kind; the trainer reads that
+    # ConfigMap (as the API server stored the RLJob, defaults filled in) without a complaint.
+    cm = client.CoreV1Api(cluster.api).read_namespaced_config_map("demo-config", namespace)
+    config = validate(read_yaml(cm.data["config.yaml"], "config.yaml"))
+    assert [(s.url, s.kind) for s in config.rollout.servers] == [
+        (f"http://demo-rollout-{i}.demo-rollout.{namespace}.svc:30000", "sglang") for i in range(2)
     ]
 
     label_pods(cluster, namespace, trainer_selector("demo"), SUCCEED)
@@ -289,6 +295,50 @@ def test_invalid_layout_sets_valid_false(cluster: Cluster, namespace: str, opera
     )
     status = wait_for("badlayout Running after the fix", phase_is(cluster, namespace, "badlayout", "Running"))
     assert cond(status, "Valid")["status"] == "True" and status["observedGeneration"] == 2
+
+
+TRAINER_MISTAKES = [
+    ("misplaced", {"trainerConfig": {"steps": 10, "lr": 1e-6}},
+     "spec.trainerConfig.lr: unknown key; did you mean spec.trainerConfig.optimizer.lr?"),
+    ("unaligned", {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
+     "spec.actor.treeTraining.maxTokensPerMicrobatch: 1000 must be a multiple of 128"),
+    ("noengine", {"actor": {"backend": "megatron:d8"}}, "spec.actor.backend: the megatron engine is not built yet"),
+    ("notask", {"trainerConfig": {"task": "builtin:chess"}}, "spec.trainerConfig.task: unknown built-in task"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "spec", "message"), TRAINER_MISTAKES, ids=[m[0] for m in TRAINER_MISTAKES])
+def test_what_the_trainer_would_refuse_is_refused_before_anything_is_created(
+    cluster: Cluster, namespace: str, operator: RunningOperator, name: str, spec: dict[str, Any], message: str
+) -> None:
+    # The API server keeps the unknown trainerConfig key (preserve-unknown-fields): the operator
+    # refuses it with the trainer's own message, so a typo never costs GPU time in a pod.
+    create(cluster, namespace, rljob(name, **spec))
+    status = wait_for(f"{name} Valid=False", phase_is(cluster, namespace, name, "Failed"))
+    valid = cond(status, "Valid")
+    assert valid["status"] == "False" and valid["reason"] == "InvalidSpec"
+    assert message in valid["message"], valid["message"]
+    labels = f"treetrain.dev/rljob={name}"
+    assert not pods(cluster, namespace, labels)
+    core, apps, batch = client.CoreV1Api(cluster.api), client.AppsV1Api(cluster.api), client.BatchV1Api(cluster.api)
+    for listed in (
+        core.list_namespaced_config_map(namespace, label_selector=labels),
+        core.list_namespaced_service(namespace, label_selector=labels),
+        apps.list_namespaced_stateful_set(namespace, label_selector=labels),
+        batch.list_namespaced_job(namespace, label_selector=labels),
+    ):
+        assert not listed.items, [o.metadata.name for o in listed.items]
+
+
+def test_an_unknown_attention_backend_is_refused_by_the_api_server(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    bad = rljob("flash", actor={"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}})
+    with pytest.raises(client.ApiException) as info:
+        create(cluster, namespace, bad)
+    assert info.value.status == 422
+    message = json.loads(info.value.body)["message"]
+    assert "spec.actor.treeTraining.attention" in message and '"flex"' in message, message
 
 
 def test_suspend_and_resume(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:

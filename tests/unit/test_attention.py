@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import get_args
 
 import pytest
 import torch
@@ -17,11 +18,14 @@ from treetrain.attention import (
     UnknownBackendError,
     dense_attention,
     register,
+    registry,
     resolve,
     sparse_attention,
     tree_attention_forward,
     tree_forward,
 )
+from treetrain.config.schema import AttentionName
+from treetrain.logprob import tree_logprobs
 from treetrain.tree import PackedTree
 
 
@@ -118,20 +122,38 @@ def test_resolve() -> None:
     assert resolve("dense") == "dense"
     assert resolve("sparse") == "sparse"
     assert set(NAMES) == {"auto", "flex", "triton", "sparse", "dense"}
-    with pytest.raises(UnknownBackendError, match="valid: auto, dense, sparse, flex, triton"):
+    assert get_args(AttentionName) == NAMES  # one list: the config's
+    with pytest.raises(UnknownBackendError, match="valid: auto, flex, triton, sparse, dense"):
         resolve("flash")
     assert resolve("flex") == "flex"  # selection by device: tests/unit/test_attention_fused.py
 
 
-def test_auto_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TREETRAIN_ATTENTION", raising=False)
-    assert resolve("auto") == "sparse"
+def test_resolve_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREETRAIN_ATTENTION", "dense")
-    assert resolve("auto") == "dense"
-    assert resolve("sparse") == "sparse"  # an explicit choice wins
+    assert resolve("auto") == "sparse"
+    assert resolve("auto", torch.device("cpu")) == "sparse"
+    assert not hasattr(registry, "block_size")
+
+
+def test_tree_logprobs_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public entry point reads TREETRAIN_ATTENTION (for auto) and TREETRAIN_BLOCK_SIZE."""
+    model = tiny_model("llama")
+    seqs = [[1, 2, 3, 4], [1, 2, 5]]
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
     monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")
-    with pytest.raises(UnknownBackendError):
-        resolve("auto")
+    with pytest.raises(UnknownBackendError, match="'bogus'"):
+        tree_logprobs(model, seqs, max_tokens_per_mb=32)
+    monkeypatch.setenv("TREETRAIN_ATTENTION", "dense")
+    dense = tree_logprobs(model, seqs, max_tokens_per_mb=32)  # auto -> the environment's dense
+    sparse = tree_logprobs(model, seqs, max_tokens_per_mb=32, attention="sparse")  # an explicit choice wins
+    for a, b in zip(dense, sparse, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "24")
+    with pytest.raises(ValueError, match="multiple of 24"):
+        tree_logprobs(model, seqs, max_tokens_per_mb=32)
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "x")
+    with pytest.raises(ValueError, match="TREETRAIN_BLOCK_SIZE must be a positive integer, got 'x'"):
+        tree_logprobs(model, seqs, max_tokens_per_mb=32)
 
 
 def _call(meta: TreeAttentionMeta | None, **kwargs: object) -> torch.Tensor:

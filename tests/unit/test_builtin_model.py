@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from treetrain.engines import builtin
-from treetrain.engines.base import EngineConfigError
-from treetrain.engines.fsdp import ModelConfig, build_model
+from treetrain.config import ModelSettings
+from treetrain.engines import EngineConfigError, builtin
+from treetrain.engines.fsdp import ModelSource, build_model
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import ArithmeticTask, TaskError, load_task
 
@@ -31,7 +31,7 @@ def tokenizer() -> Any:
 
 def test_unknown_builtin_model_names_the_known_ones() -> None:
     with pytest.raises(EngineConfigError, match=r"builtin:tiny-llama, builtin:smollm2-135m"):
-        ModelConfig(path="builtin:gpt-5")
+        ModelSource.resolve("builtin:gpt-5")
 
 
 def test_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +90,10 @@ def test_smollm2_converts_once_and_equals_the_gguf_model(empty_cache: Path) -> N
     source = AutoModelForCausalLM.from_pretrained(
         spec.submodule_search_locations[0], gguf_file=gguf.filename, dtype=torch.float32
     )
-    converted = build_model(ModelConfig(path=SMOL))
+    resolved = ModelSource.resolve(SMOL)
+    assert resolved.directory is not None and not resolved.random
+    assert resolved.directory.startswith(str(empty_cache)) and resolved.load_tokenizer() is not None
+    converted = build_model(resolved)
     assert converted.config.vocab_size == 49152 and converted.config.num_hidden_layers == 30
     ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 2]])
     with torch.no_grad():
@@ -174,7 +177,7 @@ def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> 
     """Prompts of different lengths in one left-padded batch: the sampler's log-probs equal a
     plain forward of each prompt + its generation alone (fp32)."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    model = build_model(ModelSettings(path="builtin:tiny-llama", seed=5))
     rollout = LocalRollout(model, torch.device("cpu"))
     prompts = [[1, *range(10, 10 + n)] for n in (3, 17, 9, 30)]
     gens = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
@@ -203,7 +206,7 @@ def test_the_next_turn_reads_only_its_new_tokens_and_scores_exactly() -> None:
     identical prompts are read once, the next turn reads only the reply's unread tail and the
     new user turn, and the log-probs still equal a plain forward of each whole sequence, also
     for rows that stopped early (their padding decode steps are masked out of the cache)."""
-    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    model = build_model(ModelSettings(path="builtin:tiny-llama", seed=5))
     params = SamplingParams(max_new_tokens=6, stop_token_ids=tuple(range(0, 512, 6)))  # ~1 in 6 stops
     a, b = [1, *range(10, 19)], [1, *range(40, 44)]
     first = [a, a, a, b, b, b]  # two groups of three samples
@@ -229,7 +232,7 @@ def test_the_next_turn_reads_only_its_new_tokens_and_scores_exactly() -> None:
 
 
 def test_changed_weights_or_unrelated_prompts_read_everything_again() -> None:
-    model = build_model(ModelConfig(path="builtin:tiny-llama", seed=5))
+    model = build_model(ModelSettings(path="builtin:tiny-llama", seed=5))
     params = SamplingParams(max_new_tokens=4)
     prompts = [[1, *range(10, 20)], [1, *range(30, 36)]]
     rollout = LocalRollout(model, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""`treetrain alloc`: the DESIGN.md contract, exit codes and frozen flags."""
+"""`treetrain alloc`: the docs/contracts.md contract, exit codes and frozen flags."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ PromQL query names only metrics that the code really exports.
 
 Exported names come from the code's live registries, not from a list kept here: the operator's
 (``rljob_operator.metrics.Metrics``) and the trainer's (``treetrain.metrics.TrainerMetrics``).
-DESIGN.md's trainer names are checked against the trainer's registry too.
+docs/contracts.md's trainer names are checked against the trainer's registry too.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from treetrain.metrics import TrainerMetrics
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rljob-operator"
 
-# DESIGN.md "Metrics", trainer side (sample names as scraped).
-DESIGN_TRAINER = {
+# docs/contracts.md "Metrics", trainer side (sample names as scraped).
+CONTRACT_TRAINER = {
     "treetrain_tree_token_ratio",
     "treetrain_tokens_total",
     "treetrain_step_duration_seconds_bucket",
@@ -33,7 +33,7 @@ DESIGN_TRAINER = {
     "treetrain_train_tokens_per_second",
     "treetrain_steps_total",
 }
-# DESIGN.md's "plus loss and reward gauges", as treetrain/metrics.py names them.
+# docs/contracts.md's "plus loss and reward gauges", as treetrain/metrics.py names them.
 LOSS_AND_REWARD = {"treetrain_loss", "treetrain_reward"}
 
 PROMQL_FUNCTIONS = {
@@ -163,7 +163,7 @@ def test_dashboards_cover_the_issue() -> None:
     """Training: tokens/s, savings, tree_token_ratio, step time, loss, reward, GPUs by component.
     Operator: RLJobs by phase, reconcile latency, errors."""
     used = {n: set().union(*(metric_names(e) for e in queries(b))) for n, b in dashboards().items()}
-    assert DESIGN_TRAINER | LOSS_AND_REWARD | {"rljob_gpus_requested"} <= used["training"]
+    assert CONTRACT_TRAINER | LOSS_AND_REWARD | {"rljob_gpus_requested"} <= used["training"]
     assert {
         "rljob_jobs",
         "rljob_reconcile_duration_seconds_bucket",
@@ -175,9 +175,9 @@ def test_dashboards_cover_the_issue() -> None:
 
 
 def test_trainer_exports_what_design_names() -> None:
-    """DESIGN.md's trainer metrics, and the loss and reward gauges, are in the trainer's registry."""
-    assert trainer_samples() >= DESIGN_TRAINER | LOSS_AND_REWARD, sorted(
-        (DESIGN_TRAINER | LOSS_AND_REWARD) - trainer_samples()
+    """docs/contracts.md's trainer metrics, and the loss and reward gauges, are in the trainer's registry."""
+    assert trainer_samples() >= CONTRACT_TRAINER | LOSS_AND_REWARD, sorted(
+        (CONTRACT_TRAINER | LOSS_AND_REWARD) - trainer_samples()
     )
 
 
@@ -203,7 +203,7 @@ def test_metrics_reference_lists_every_metric() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     families = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
     trainer = {
-        n.removesuffix("_bucket") for n in DESIGN_TRAINER | LOSS_AND_REWARD if not n.endswith(("_sum", "_count"))
+        n.removesuffix("_bucket") for n in CONTRACT_TRAINER | LOSS_AND_REWARD if not n.endswith(("_sum", "_count"))
     }
     missing = sorted(n for n in families | trainer if f"`{n}`" not in doc)
     assert not missing, f"docs/metrics.md does not list {missing}"

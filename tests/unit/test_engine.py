@@ -1,5 +1,6 @@
-"""The FSDP engine in one process: Hugging Face directories in and out, the critic's value
-head on a saved causal LM, and clear errors for layouts it cannot run."""
+"""The engine factory and the FSDP engine in one process: a training step, log-probs equal to
+``treetrain.tree_logprobs``, Hugging Face directories in and out, the critic's value head on
+a saved causal LM, and one-line errors for layouts no engine here runs."""
 
 from __future__ import annotations
 
@@ -8,41 +9,158 @@ from pathlib import Path
 import pytest
 import torch
 
-from treetrain.engines.base import EngineConfigError, OptimConfig, TrainBatch, TreeTrainingConfig
-from treetrain.engines.fsdp import FSDPEngine, ModelConfig
-from treetrain.engines.parallel import allocation_for, init_distributed
+import treetrain
+from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import EngineConfigError, build_engine
+from treetrain.engines.base import TrainBatch
+from treetrain.engines.fsdp import FSDPEngine, ModelSource, grad_norm
+from treetrain.rl.losses import PPOLoss
 
 SEQS = [[1, 9, 12, 30, 31, 32], [1, 9, 12, 40, 41], [1, 9, 50, 51, 52, 53, 54]]
+TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)
 
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
-    monkeypatch.delenv("TREETRAIN_ATTENTION", raising=False)
+    # The engine reads no environment: these must change nothing.
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "5")
+    monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 
 
-def _engine(path: str, role: str = "actor", optim: OptimConfig | None = None) -> FSDPEngine:
-    layout = init_distributed("fsdp:d1")
-    return FSDPEngine(
-        ModelConfig(path=path, seed=5), layout, TreeTrainingConfig(max_tokens_per_mb=64), optim, role=role
+def _engine(path: str, role: str = "actor", optimizer: OptimizerSettings | None = None) -> FSDPEngine:
+    engine = build_engine(ModelSettings(path=path, seed=5), "fsdp:d1", role=role, tree=TREE, optimizer=optimizer)
+    assert isinstance(engine, FSDPEngine)
+    return engine
+
+
+def _batch(seqs: list[list[int]]) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    n = [len(s) - 1 for s in seqs]
+    return TrainBatch(
+        sequences=seqs,
+        loss_mask=[torch.ones(k) for k in n],
+        tensors={
+            "advantages": [torch.randn(k, generator=g) for k in n],
+            "old_logprobs": [torch.full((k,), -6.0) for k in n],
+        },
     )
 
 
+def test_build_engine_trains_one_step() -> None:
+    engine = build_engine(
+        "builtin:tiny-llama", "fsdp:d1", tree=TREE, optimizer=OptimizerSettings(lr=1e-2, max_grad_norm=0.5)
+    )
+    assert isinstance(engine, FSDPEngine) and engine.attention == "sparse" and engine.block_size == 16
+    before = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    stats = engine.forward_backward(_batch(SEQS), PPOLoss(LossSettings()))
+    assert stats.tree_tokens < stats.original_tokens and stats.micro_batches == 1
+    want = grad_norm(engine.model.parameters())
+    ref = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in engine.model.parameters()]))
+    torch.testing.assert_close(want, ref)
+    assert engine.optimizer is not None
+    real_step, seen = engine.optimizer.step, []
+
+    def step(*args: object, **kwargs: object) -> None:
+        seen.append(float(grad_norm(engine.model.parameters())))
+        real_step()
+
+    engine.optimizer.step = step  # type: ignore[method-assign]
+    norm = engine.step()
+    assert norm == pytest.approx(float(ref), rel=1e-6) and norm > 0.5  # the norm before clipping
+    assert seen == [pytest.approx(0.5, rel=1e-5)]  # the optimizer saw clipped gradients
+    assert all(p.grad is None for p in engine.model.parameters())
+    changed = [n for n, p in engine.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+
+
+def test_forward_equals_tree_logprobs_on_a_branching_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE)  # no optimizer: forward only
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    seqs = [*SEQS, [1, 9, 12, 30, 31, 32, 33, 34], [7, 8], [1, 9, 12]]
+    got = engine.forward(seqs)
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
+    monkeypatch.delenv("TREETRAIN_ATTENTION")
+    with torch.no_grad():
+        want = treetrain.tree_logprobs(engine.model, seqs, max_tokens_per_mb=64, attention="sparse")
+    assert [g.shape for g in got] == [(len(s) - 1,) for s in seqs]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        (
+            "megatron:d1",
+            "the megatron engine is not built yet in this release; use the FSDP engine on the same GPUs: fsdp:d1",
+        ),
+        (
+            "archon:d1",
+            "the archon engine is not built yet in this release; use the FSDP engine on the same GPUs: fsdp:d1",
+        ),
+        ("fsdp:c2", "context parallelism is not supported by the FSDP engine yet (c2 in 'fsdp:c2'); fix: "),
+        ("fsdp:x2", "fsdp:x2"),
+        ("fsdp:d2", "backend 'fsdp:d2' needs 2 processes but 1 were started; run torchrun --nproc-per-node 2"),
+    ],
+)
+def test_backends_the_factory_refuses(backend: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        build_engine("builtin:tiny-llama", backend, tree=TREE)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+
+
+def test_bad_arguments_are_refused_before_any_work() -> None:
+    with pytest.raises(EngineConfigError, match="role must be one of actor, critic, ref, got 'judge'"):
+        build_engine("builtin:tiny-llama", "fsdp:d1", role="judge")
+    with pytest.raises(EngineConfigError, match="dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+        build_engine("builtin:tiny-llama", "fsdp:d1", dtype="fp8")
+    with pytest.raises(EngineConfigError, match="dtype='bfloat16' conflicts with the settings' float32"):
+        build_engine(ModelSettings(path="builtin:tiny-llama"), "fsdp:d1", dtype="bfloat16")
+    with pytest.raises(EngineConfigError, match="unknown built-in model 'builtin:gpt-5'"):
+        build_engine("builtin:gpt-5", "fsdp:d1")
+    with pytest.raises(EngineConfigError, match=r"cannot load model.path ./no/such/model."):
+        build_engine("/no/such/model", "fsdp:d1")
+
+
+def test_the_model_source_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from treetrain.engines import builtin
+
+    calls = []
+    real = builtin.random_config
+    monkeypatch.setattr(builtin, "random_config", lambda path: calls.append(path) or real(path))
+    engine = _engine("builtin:tiny-llama", role="critic", optimizer=OptimizerSettings())
+    assert calls == ["builtin:tiny-llama"]
+    assert engine.source.random and engine.source.directory is None and engine.source.load_tokenizer() is None
+    assert engine.source.config.vocab_size == 512
+
+
+def test_bfloat16_in_one_process_builds_bfloat16_weights() -> None:
+    # d = 1: no fully_shard, so no FSDP cast and no fp32 master weights (see parallelize.py).
+    engine = build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE, optimizer=OptimizerSettings(), dtype="bfloat16")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    engine.forward_backward(_batch(SEQS), PPOLoss(LossSettings()))
+    assert engine.step() > 0
+    assert all(out.dtype == torch.float32 for out in engine.forward(SEQS))
+
+
 def test_export_then_train_from_the_directory(tmp_path: Path) -> None:
-    actor = _engine("builtin:tiny-llama", optim=OptimConfig(lr=1e-3))
+    actor = _engine("builtin:tiny-llama", optimizer=OptimizerSettings(lr=1e-3))
     want = actor.forward(SEQS)
     actor.export_hf(tmp_path / "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
 
     reloaded = _engine(str(tmp_path / "hf"))
+    assert reloaded.source.directory == str(tmp_path / "hf") and not reloaded.source.random
     for got, ref in zip(reloaded.forward(SEQS), want, strict=True):
         torch.testing.assert_close(got, ref)
     # Tree and flat log-probs agree (no-grad path).
     for a, b in zip(reloaded.forward(SEQS, tree=True), reloaded.forward(SEQS, tree=False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
-    critic = _engine(str(tmp_path / "hf"), role="critic", optim=OptimConfig(lr=1e-3))
+    critic = _engine(str(tmp_path / "hf"), role="critic", optimizer=OptimizerSettings(lr=1e-3))
     backbone = dict(critic.model.named_parameters())
     for name, p in reloaded.model.named_parameters():
         if name.startswith("model."):  # the causal LM's backbone is the critic's backbone
@@ -61,32 +179,32 @@ def test_a_ref_cannot_train() -> None:
     batch = TrainBatch(sequences=SEQS, loss_mask=[torch.ones(len(s) - 1) for s in SEQS])
     with pytest.raises(RuntimeError, match="without an optimizer"):
         ref.forward_backward(batch, lambda *a: (torch.zeros(()), {}))  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("backend", "message"),
-    [
-        ("fsdp:d2c2", "context parallelism (c2 in 'fsdp:d2c2') is not supported by the FSDP engine yet"),
-        ("megatron:d2p2", "this trainer runs the FSDP engine"),
-        ("fsdp:x2", "fsdp:x2"),
-    ],
-)
-def test_layouts_the_engine_cannot_run(backend: str, message: str) -> None:
-    with pytest.raises(ValueError) as err:
-        allocation_for(backend)
-    assert message in str(err.value)
+    with pytest.raises(RuntimeError, match="without an optimizer"):
+        ref.step()
 
 
 def test_tree_settings_are_checked() -> None:
-    with pytest.raises(EngineConfigError, match="maxTokensPerMicrobatch must be a positive integer"):
-        TreeTrainingConfig(max_tokens_per_mb=-5)
     with pytest.raises(ValueError, match="must be a multiple of 16"):
-        _engine_with_cap(40)
+        build_engine("builtin:tiny-llama", "fsdp:d1", tree=TreeTrainingSettings(max_tokens_per_mb=40, block_size=16))
+    with pytest.raises(ValueError, match="'flex' has no backward on cpu"):
+        build_engine(
+            "builtin:tiny-llama",
+            "fsdp:d1",
+            tree=TREE.model_copy(update={"attention": "flex"}),
+            optimizer=OptimizerSettings(),
+        )
+    # Forward only, flex runs on the CPU (no backward needed).
+    assert (
+        build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE.model_copy(update={"attention": "flex"})).attention
+        == "flex"
+    )
 
 
-def _engine_with_cap(cap: int) -> FSDPEngine:
-    layout = init_distributed("fsdp:d1")
-    return FSDPEngine(ModelConfig(path="builtin:tiny-llama"), layout, TreeTrainingConfig(max_tokens_per_mb=cap))
+def test_model_source_resolves_a_settings_object_or_a_path() -> None:
+    a = ModelSource.resolve("builtin:tiny-llama")
+    b = ModelSource.resolve(ModelSettings(path="builtin:tiny-llama", seed=2))
+    assert a.path == b.path == "builtin:tiny-llama" and b.settings.seed == 2
+    assert a.config.attention_dropout == 0.0
 
 
 def test_train_batch_shapes_are_checked() -> None:

@@ -1,7 +1,10 @@
-"""The FSDP engine on 2 CPU processes over gloo (torch.multiprocessing, like torchrun):
-tree vs flat packing give the same loss and gradients (fp32, relative <= 1e-4), and both
-match each sequence run alone through the plain model, for the actor (FSDP2 over d2 and
-DTensor tensor parallel t2) and the critic (d2)."""
+"""The FSDP engine on 2 CPU processes over gloo (torch.multiprocessing, like torchrun), built
+with :func:`treetrain.engines.build_engine`: tree vs flat packing give the same loss and
+gradients (fp32, relative <= 1e-4), and both match each sequence run alone through the plain
+model, for the actor (FSDP2 over d2 and DTensor tensor parallel t2) and the critic (d2); the
+gradient norm matches the unsharded gradients' with one collective per step; several engines
+share the processes (one mesh per backend string); bfloat16 over d2 keeps fp32 weights. Four
+processes check d2t2 (FSDP over a data x tensor parallel grid)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 MODEL = {"path": "builtin:tiny-llama", "seed": 3}
+# 64-token trees over 16-token blocks: several uneven micro-batches per rank.
+TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
 
 def _free_port() -> int:
@@ -55,10 +60,11 @@ def make_batch(seed: int = 0, vocab: int = 500) -> Any:
 
 def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.Tensor]]:
     """Each sequence alone through the unsharded model (plain sdpa), one global mean."""
+    from treetrain.config import ModelSettings
     from treetrain.engines.base import MicroBatchOutput
-    from treetrain.engines.fsdp import ModelConfig, build_model
+    from treetrain.engines.fsdp import build_model
 
-    model = build_model(ModelConfig(**MODEL), role)
+    model = build_model(ModelSettings(**MODEL), role)
     total = batch.num_loss_tokens()
     value = 0.0
     for i, seq in enumerate(batch.sequences):
@@ -77,25 +83,66 @@ def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.
     return value, grads
 
 
+class _CountAllReduce:
+    """Wraps ``torch.distributed.all_reduce`` and counts its calls."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.calls = 0
+        self._dist = dist
+        self._real = dist.all_reduce
+
+    def __enter__(self) -> _CountAllReduce:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return self._real(*args, **kwargs)
+
+        self._dist.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._dist.all_reduce = self._real
+
+
+def _check_grad_norm(engine: Any, backend: str) -> None:
+    """The one-collective norm equals the norm of the unsharded gradients; clipping scales the
+    local shards in place."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from treetrain.engines.fsdp import grad_norm, scale_grads
+
+    full = engine.full_grads()
+    want = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in full.values()])).float()
+    params = list(engine.model.parameters())
+    with CommDebugMode() as comm, _CountAllReduce() as counter:
+        got = grad_norm(params, device=engine.layout.device)
+    assert counter.calls == 1 and comm.get_total_counts() == 1, (backend, counter.calls, comm.get_comm_counts())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=f"{backend} grad norm")
+    scale_grads(params, 0.5)
+    torch.testing.assert_close(grad_norm(params), want / 2, rtol=1e-5, atol=0, msg=f"{backend} scaled")
+    scale_grads(params, 2.0)
+
+
 def _check(backend: str, role: str, tmp: Path) -> None:
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
 
-    from treetrain.engines.base import OptimConfig, TreeTrainingConfig
-    from treetrain.engines.fsdp import FSDPEngine, ModelConfig
-    from treetrain.engines.parallel import init_distributed
+    from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
+    from treetrain.engines import build_engine
     from treetrain.rl.losses import PPOLoss, ValueLoss
 
-    layout = init_distributed(backend)
-    loss = ValueLoss(ValueLoss.Config()) if role == "critic" else PPOLoss(PPOLoss.Config(clip_eps=0.2))
+    loss = ValueLoss(ValueLossSettings()) if role == "critic" else PPOLoss(LossSettings(clip_eps=0.2))
     batch = make_batch()
-    # 64-token trees over 16-token blocks: several uneven micro-batches per rank.
-    tree_cfg = TreeTrainingConfig(max_tokens_per_mb=64)
-    engine = FSDPEngine(ModelConfig(**MODEL), layout, tree_cfg, OptimConfig(lr=1e-3), role=role)
+    tree = TreeTrainingSettings(**TREE)
+    engine = build_engine(ModelSettings(**MODEL), backend, role=role, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
     assert any(isinstance(p, DTensor) for p in engine.model.parameters()), "nothing was sharded"
     results = {}
-    for tree in (True, False):
-        stats = engine.forward_backward(batch, loss, tree=tree)
-        results[tree] = (stats, engine.full_grads())
+    for use_tree in (True, False):
+        stats = engine.forward_backward(batch, loss, tree=use_tree)
+        results[use_tree] = (stats, engine.full_grads())
+        if use_tree:
+            _check_grad_norm(engine, backend)
         engine.zero_grad()
     ref_loss, ref_grads = reference(role, batch, loss)
     (tree_stats, tree_grads), (flat_stats, flat_grads) = results[True], results[False]
@@ -111,17 +158,23 @@ def _check(backend: str, role: str, tmp: Path) -> None:
     outs = engine.forward(batch.sequences)
     assert [len(o) for o in outs] == [len(s) - 1 for s in batch.sequences]
     if role == "actor":
-        # An optimizer step and a full-weight export work on sharded parameters.
+        # An optimizer step (one collective: the gradient norm's all-reduce) and a full-weight
+        # export work on sharded parameters.
         engine.forward_backward(batch, loss)
-        assert engine.step() > 0
+        with CommDebugMode() as comm:
+            assert engine.step() > 0
+        assert comm.get_total_counts() == 1, (backend, comm.get_comm_counts())
         exported = tmp / f"export-{backend.replace(':', '-')}"
         engine.export_hf(exported)
         # Loading that directory on 2 ranks (meta device, shard, rank 0 broadcasts) gives the same model.
-        loaded = FSDPEngine(ModelConfig(path=str(exported)), layout, tree_cfg, None, role="actor")
+        loaded = build_engine(str(exported), backend, tree=tree)
+        assert loaded.layout is engine.layout, "one backend string, one mesh"
         for got, want in zip(loaded.forward(batch.sequences), engine.forward(batch.sequences), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         if backend == "fsdp:d2":
-            critic = FSDPEngine(ModelConfig(path=str(exported)), layout, tree_cfg, None, role="critic")
+            # A critic with another backend string of the same world size: its own mesh, same ranks.
+            critic = build_engine(str(exported), "fsdp:t2", role="critic", tree=tree)
+            assert critic.layout is not engine.layout and critic.layout.tp == 2
             assert [len(v) for v in critic.forward(batch.sequences)] == [len(s) - 1 for s in batch.sequences]
         # A sharded checkpoint (DCP) restores model and optimizer exactly: the next step matches.
         ckpt = tmp / f"ckpt-{backend.replace(':', '-')}"
@@ -136,20 +189,71 @@ def _check(backend: str, role: str, tmp: Path) -> None:
         assert after[0] == after[1], after
 
 
-def _worker(rank: int, port: int, tmp: str, errors: Any) -> None:
+def _check_bfloat16() -> None:
+    """d2 with bfloat16: fp32 master weights (FSDP casts to bf16 for compute), a step runs."""
+    from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
+    from treetrain.engines import build_engine
+    from treetrain.rl.losses import PPOLoss
+
+    engine = build_engine(
+        ModelSettings(**MODEL, dtype="bfloat16"),
+        "fsdp:d2",
+        tree=TreeTrainingSettings(**TREE),
+        optimizer=OptimizerSettings(lr=1e-3),
+    )
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    batch = make_batch()
+    before = engine.forward(batch.sequences)
+    stats = engine.forward_backward(batch, PPOLoss(LossSettings()))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in engine.model.parameters())
+    norm = engine.step()
+    assert stats.loss == stats.loss and 0 < norm < float("inf")
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    after = engine.forward(batch.sequences)
+    assert all(a.dtype == torch.float32 for a in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)), "the step changed nothing"
+
+
+def _check_2d() -> None:
+    """d2t2 on 4 ranks: FSDP's _StridedShard over dp next to TP's Shard, and the replicated
+    modules sharded over the dp sub-mesh only (each shard held by both tp ranks): the loss and
+    gradients match the reference, and so does the one-collective gradient norm."""
+    from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
+    from treetrain.engines import build_engine
+    from treetrain.rl.losses import PPOLoss
+
+    loss = PPOLoss(LossSettings(clip_eps=0.2))
+    batch = make_batch()
+    engine = build_engine(
+        ModelSettings(**MODEL), "fsdp:d2t2", tree=TreeTrainingSettings(**TREE), optimizer=OptimizerSettings(lr=1e-3)
+    )
+    stats = engine.forward_backward(batch, loss)
+    ref_loss, ref_grads = reference("actor", batch, loss)
+    assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (stats.loss, ref_loss)
+    grads = engine.full_grads()
+    for n, ref in ref_grads.items():
+        torch.testing.assert_close(grads[n], ref, rtol=1e-4, atol=1e-6, msg=f"d2t2 {n} vs ref")
+    _check_grad_norm(engine, "fsdp:d2t2")
+    assert engine.step() > 0
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, errors: Any) -> None:
     os.environ.update(
-        WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(world),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
-        TREETRAIN_BLOCK_SIZE="16",
+        TREETRAIN_ATTENTION="bogus",  # the engine reads no environment
     )
-    os.environ.pop("TREETRAIN_ATTENTION", None)
     torch.set_num_threads(1)
     try:
-        for backend, role in (("fsdp:d2", "actor"), ("fsdp:d2", "critic"), ("fsdp:t2", "actor")):
-            _check(backend, role, Path(tmp))
+        if world == 4:
+            _check_2d()
+        else:
+            for backend, role in (("fsdp:d2", "actor"), ("fsdp:d2", "critic"), ("fsdp:t2", "actor")):
+                _check(backend, role, Path(tmp))
+            _check_bfloat16()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
@@ -160,17 +264,21 @@ def _worker(rank: int, port: int, tmp: str, errors: Any) -> None:
             dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_ranks_tree_and_flat_match_the_reference(tmp_path: Path) -> None:
+def _spawn(world: int, tmp: Path) -> None:
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(_free_port(), str(tmp_path), errors), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_worker, args=(world, _free_port(), str(tmp), errors), nprocs=world, start_method="spawn")
     except Exception:
         found = []
         while not errors.empty():
             found.append(errors.get())
         pytest.fail("\n".join(found) or "a rank failed")
+
+
+@pytest.mark.slow
+def test_two_ranks_tree_and_flat_match_the_reference(tmp_path: Path) -> None:
+    _spawn(WORLD, tmp_path)
     exported = tmp_path / "export-fsdp-d2"
     assert (exported / "config.json").is_file()
     assert any(exported.glob("*.safetensors"))
@@ -178,3 +286,8 @@ def test_two_ranks_tree_and_flat_match_the_reference(tmp_path: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(exported)
     assert model.config.vocab_size == 512
+
+
+@pytest.mark.slow
+def test_four_ranks_data_and_tensor_parallel(tmp_path: Path) -> None:
+    _spawn(4, tmp_path)

@@ -1,5 +1,5 @@
 """The trainer's /metrics endpoint: scraped over loopback, parsed, and its names are the
-ones DESIGN.md fixes (dashboards are built on them)."""
+ones docs/contracts.md fixes (dashboards are built on them)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from treetrain import metrics as M
 
-# DESIGN.md "Metrics": the names users, scripts and dashboards depend on.
-DESIGN_NAMES = {
+# docs/contracts.md "Metrics": the names users, scripts and dashboards depend on.
+CONTRACT_NAMES = {
     "treetrain_tree_token_ratio": "gauge",
     "treetrain_tokens": "counter",  # exposed as treetrain_tokens_total{kind=...}
     "treetrain_step_duration_seconds": "histogram",
@@ -53,7 +53,7 @@ def test_scrape_and_parse() -> None:
     finally:
         metrics.close()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name, kind in DESIGN_NAMES.items():
+    for name, kind in CONTRACT_NAMES.items():
         assert name in families, name
         assert families[name].type == kind, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
@@ -70,4 +70,4 @@ def test_scrape_and_parse() -> None:
     # Every exposed treetrain_ family is one of the fixed names (nothing undocumented sneaks in).
     # (The text format shows each counter's and histogram's *_created series as its own family.)
     exposed = {n for n in families if n.startswith("treetrain_") and not n.endswith("_created")}
-    assert exposed == set(DESIGN_NAMES)
+    assert exposed == set(CONTRACT_NAMES)

@@ -1,4 +1,4 @@
-"""Packaging rules from DESIGN.md: the operator side never needs torch, and every
+"""Packaging rules from docs/contracts.md: the operator side never needs torch, and every
 package directory is listed in pyproject.toml."""
 
 from __future__ import annotations

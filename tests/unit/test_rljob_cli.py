@@ -1,4 +1,4 @@
-"""`rljob crd` and `rljob plan`: the DESIGN.md contracts, the committed CRD, operator metrics."""
+"""`rljob crd` and `rljob plan`: the docs/contracts.md contracts, the committed CRD, operator metrics."""
 
 from __future__ import annotations
 

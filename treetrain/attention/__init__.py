@@ -9,7 +9,6 @@ from treetrain.attention.registry import (
     NAMES,
     BackendUnavailableError,
     UnknownBackendError,
-    block_size,
     get,
     resolve,
 )
@@ -22,7 +21,6 @@ __all__ = [
     "BackendUnavailableError",
     "TreeAttentionMeta",
     "UnknownBackendError",
-    "block_size",
     "dense_attention",
     "get",
     "register",

@@ -1,9 +1,13 @@
-"""The attention backends, keyed by the ``TREETRAIN_ATTENTION`` names."""
+"""The attention backends, keyed by the config's attention names (``actor.treeTraining.attention``).
+
+:func:`resolve` is pure: it reads no environment. ``TREETRAIN_ATTENTION`` is read where a run
+starts (the trainer config's loader, and :func:`treetrain.tree_logprobs`), never here.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+from typing import get_args
 
 import torch
 
@@ -12,6 +16,7 @@ from treetrain.attention.flex import flex_attention
 from treetrain.attention.meta import TreeAttentionMeta
 from treetrain.attention.sparse import sparse_attention
 from treetrain.attention.triton_tree import TritonUnavailableError, check_available, triton_attention
+from treetrain.config.schema import AttentionName
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TreeAttentionMeta, float], torch.Tensor]
 
@@ -21,8 +26,9 @@ BACKENDS: dict[str, AttentionFn] = {
     "flex": flex_attention,
     "triton": triton_attention,
 }
-NAMES = ("auto", *BACKENDS)
-DEFAULT_BLOCK_SIZE = 128
+# One list of names: the config's ``AttentionName`` ("auto" plus every backend).
+NAMES: tuple[str, ...] = get_args(AttentionName)
+assert set(NAMES) == {"auto", *BACKENDS}, (NAMES, tuple(BACKENDS))
 
 
 class UnknownBackendError(ValueError):
@@ -34,12 +40,10 @@ class BackendUnavailableError(ValueError):
 
 
 def resolve(name: str, device: torch.device | None = None, *, needs_grad: bool = False) -> str:
-    """The concrete backend for ``name`` on ``device``. ``auto`` reads ``TREETRAIN_ATTENTION``
-    first, then picks ``flex`` on CUDA (fused, forward and backward) and ``sparse``
-    elsewhere (the portable block-sparse path, with autograd). An explicit choice that
-    cannot work here fails now, with the reason, instead of deep inside a forward pass."""
-    if name == "auto":
-        name = os.environ.get("TREETRAIN_ATTENTION", "auto") or "auto"
+    """The concrete backend for ``name`` on ``device``. ``auto`` picks ``flex`` on CUDA
+    (fused, forward and backward) and ``sparse`` elsewhere (the portable block-sparse path,
+    with autograd). An explicit choice that cannot work here fails now, with the reason,
+    instead of deep inside a forward pass. Pure: no environment is read."""
     on_cuda = device is not None and device.type == "cuda"
     if name == "auto":
         return "flex" if on_cuda else "sparse"
@@ -66,13 +70,3 @@ def get(name: str) -> AttentionFn:
     except KeyError:
         resolve(name)  # raises the right message
         raise
-
-
-def block_size() -> int:
-    """``TREETRAIN_BLOCK_SIZE`` (default 128)."""
-    raw = os.environ.get("TREETRAIN_BLOCK_SIZE", "")
-    if not raw:
-        return DEFAULT_BLOCK_SIZE
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"TREETRAIN_BLOCK_SIZE must be a positive integer, got {raw!r}")
-    return int(raw)

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def describe(spec: str, gpus_per_node: int | None) -> dict[str, Any]:
-    """The JSON object for one spec (DESIGN.md's keys, plus ``spec`` and ``canonical``)."""
+    """The JSON object for one spec (docs/contracts.md's keys, plus ``spec`` and ``canonical``)."""
     allocation = parse(spec)
     row: dict[str, Any] = {"spec": spec, **allocation.to_dict()}
     if gpus_per_node is not None:

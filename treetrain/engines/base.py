@@ -11,7 +11,6 @@ it fixes before the micro-batch loop, so uneven micro-batches still give the bat
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,60 +19,17 @@ from typing import Any, Protocol
 
 import torch
 
-from treetrain.attention.registry import NAMES as ATTENTION_NAMES
+from treetrain.engines.errors import EngineConfigError
+
+__all__ = ["ROLES", "Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "check_role"]
+
+# actor: trained, log-probs; critic: trained, values; ref: frozen, log-probs.
+ROLES = ("actor", "critic", "ref")
 
 
-class EngineConfigError(ValueError):
-    """A bad engine setting; the message says what to change."""
-
-
-@dataclass(kw_only=True, slots=True)
-class TreeTrainingConfig:
-    """Tree packing of training batches (``actor.treeTraining`` in the trainer config).
-
-    ``pad_to_maximum`` is automatic: every tree is padded to a multiple of
-    ``lcm(block size, tensor parallel size)``. Setting it to true pads every tree to
-    ``max_tokens_per_mb`` instead (fixed shapes, more padding).
-    """
-
-    enabled: bool = True
-    max_tokens_per_mb: int = 32768
-    attention: str = "auto"
-    pad_to_maximum: bool = False
-
-    def __post_init__(self) -> None:
-        cap = self.max_tokens_per_mb
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
-            raise EngineConfigError(
-                f"maxTokensPerMicrobatch must be a positive integer, got {cap!r}; e.g. 32768 (a multiple of 128)"
-            )
-        if self.attention not in ATTENTION_NAMES:
-            raise EngineConfigError(f"attention must be one of {', '.join(ATTENTION_NAMES)}, got {self.attention!r}")
-        if not isinstance(self.enabled, bool):
-            raise EngineConfigError(f"treeTraining.enabled must be true or false, got {self.enabled!r}")
-
-
-@dataclass(kw_only=True, slots=True)
-class OptimConfig:
-    """AdamW with a constant learning rate (after ``warmup_steps`` of linear warm-up)."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
-            raise EngineConfigError(f"lr must be a positive number, got {self.lr!r}")
-        if self.weight_decay < 0:
-            raise EngineConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.max_grad_norm < 0:
-            raise EngineConfigError(f"max_grad_norm must be >= 0 (0: no clipping), got {self.max_grad_norm!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise EngineConfigError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
-        self.betas = (float(self.betas[0]), float(self.betas[1]))
+def check_role(role: str) -> None:
+    if role not in ROLES:
+        raise EngineConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
 
 
 @dataclass(slots=True)

@@ -1,4 +1,11 @@
-"""Process groups and device meshes from a backend string (``fsdp:d4t2`` -> a dp x tp mesh)."""
+"""Process groups and device meshes from a checked allocation (``fsdp:d4t2`` -> a dp x tp mesh).
+
+:func:`init_distributed` joins torchrun's process group once per process; every later call
+(the critic's and the reference model's engines, built on the same processes) reuses it.
+Layouts are cached per allocation, so engines with the same backend string share one mesh
+(one set of sub-groups), and another string of the same world size (actor ``fsdp:d2``,
+critic ``fsdp:t2``) gets its own mesh over the same ranks.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from treetrain.alloc import Allocation, parse
-from treetrain.engines.base import EngineConfigError
+from treetrain.alloc import Allocation
+from treetrain.engines.errors import EngineConfigError
 
 
 @dataclass(frozen=True, slots=True)
 class ParallelLayout:
-    """This process's place in the data x tensor parallel grid."""
+    """This process's place in the data x tensor parallel grid (reusable by several engines)."""
 
     allocation: Allocation
     world_size: int
@@ -41,45 +48,44 @@ class ParallelLayout:
         return self.rank == 0
 
 
-def allocation_for(backend: str) -> Allocation:
-    """Parse and check a training backend string for this engine."""
-    allocation = parse(backend)
-    if allocation.backend != "fsdp":
-        raise EngineConfigError(
-            f"backend {backend!r} is a {allocation.backend} backend; this trainer runs the FSDP engine: use fsdp:d<N>t<M>"
-        )
-    dims = allocation.dims
-    if dims.cp > 1:
-        raise EngineConfigError(
-            f"context parallelism (c{dims.cp} in {backend!r}) is not supported by the FSDP engine yet; "
-            "drop the c letter and raise d or t instead"
-        )
-    return allocation
+# allocation -> (the default group it was built in, its layout). A destroyed and re-created
+# default group (tests do that) invalidates the entry: its meshes' sub-groups are gone.
+_LAYOUTS: dict[Allocation, tuple[object, ParallelLayout]] = {}
 
 
-def init_distributed(backend: str, *, timeout_s: float = 1800.0) -> ParallelLayout:
-    """Join torchrun's process group (if any) and build the mesh for ``backend``.
-
-    One process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) needs no process group at all; a
-    backend string for more ranks than torchrun started is an error that names both.
-    """
-    allocation = allocation_for(backend)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != allocation.world_size:
-        raise EngineConfigError(
-            f"backend {backend!r} needs {allocation.world_size} processes but {world} were started; "
-            f"run torchrun --nproc-per-node {allocation.world_size} (or change the backend string)"
-        )
-    cuda = torch.cuda.is_available()
-    if cuda:
+def _device() -> torch.device:
+    if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(allocation: Allocation, *, timeout_s: float = 1800.0) -> ParallelLayout:
+    """Join torchrun's process group (once per process) and build the mesh of ``allocation``
+    (from :func:`treetrain.config.check_training_backend`).
+
+    One process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) needs no process group at all; an
+    allocation for more ranks than were started is an error that names both. Every rank
+    must call this with the same allocations in the same order (a new mesh creates
+    sub-groups, a collective call).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != allocation.world_size:
+        raise EngineConfigError(
+            f"backend {str(allocation)!r} needs {allocation.world_size} processes but {world} were started; "
+            f"run torchrun --nproc-per-node {allocation.world_size} (or change the backend string)"
+        )
+    device = _device()
     if world == 1:
         return ParallelLayout(allocation=allocation, world_size=1, rank=0, device=device, mesh=None)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    group = dist.group.WORLD
+    cached = _LAYOUTS.get(allocation)
+    if cached is not None and cached[0] is group:
+        return cached[1]
     mesh = init_device_mesh(device.type, (allocation.dims.dp, allocation.dims.tp), mesh_dim_names=("dp", "tp"))
-    return ParallelLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device, mesh=mesh)
+    layout = ParallelLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device, mesh=mesh)
+    _LAYOUTS[allocation] = (group, layout)
+    return layout

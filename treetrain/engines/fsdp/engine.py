@@ -1,0 +1,367 @@
+"""The FSDP engine: a Hugging Face model (:mod:`.model`) spread over the ranks
+(:mod:`.parallelize`), trained with tree packing through transformers' attention registry.
+
+Letters: N packed tokens of one micro-batch, V vocabulary, M gathered positions.
+
+Every rank holds the whole batch (rollouts are broadcast) and packs it the same way; the
+packer balances trees so that every data-parallel rank runs the same number of micro-batches
+(FSDP's collectives need that), and tensor-parallel ranks of one data-parallel rank run the
+same trees.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from treetrain.attention import TreeAttentionMeta, resolve, tree_forward
+from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.fsdp.model import ModelSource, build_parallel
+from treetrain.engines.parallel import ParallelLayout
+from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
+from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+
+
+@dataclass(slots=True)
+class _Run:
+    tensors: TreeTensors
+    out: MicroBatchOutput
+    anchor: torch.Tensor  # a scalar that touches every output (backward on empty trees)
+
+
+class FSDPEngine(Engine):
+    """Actor (log-probs), critic (values) or reference (log-probs, frozen) on a Hugging Face
+    model. ``optimizer=None``: forward only (the parameters do not require grad)."""
+
+    def __init__(
+        self,
+        model: ModelSettings | ModelSource,
+        layout: ParallelLayout,
+        tree: TreeTrainingSettings,
+        optimizer: OptimizerSettings | None = None,
+        *,
+        role: str = "actor",
+    ) -> None:
+        check_role(role)
+        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        self.settings = self.source.settings
+        self.layout = layout
+        self.tree = tree
+        self.role = role
+        self.block_size = tree.block_size
+        # Trained roles need a backward: a backend that has none on this device fails here,
+        # not inside the first step.
+        self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
+        # Fails early with the packer's message when max_tokens_per_mb does not fit the alignment.
+        self._pack_config(tree=True)
+        self.model: nn.Module = build_parallel(self.source, role, layout)
+        self.optim = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=optimizer.lr,
+                betas=(optimizer.betas[0], optimizer.betas[1]),
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+            )
+        else:
+            self.model.requires_grad_(False)
+        self.steps = 0
+
+    # -- packing ---------------------------------------------------------------------------
+    def _pack_config(self, *, tree: bool) -> PackConfig:
+        return PackConfig(
+            max_tokens_per_mb=self.tree.max_tokens_per_mb,
+            block_size=self.block_size,
+            parallel_size=self.layout.tp,
+            dp_size=self.layout.dp,
+            pad_to_max=self.tree.pad_to_maximum,
+            share_prefixes=tree,
+        )
+
+    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
+        use_tree = self.tree.enabled if tree is None else tree
+        return pack(sequences, self._pack_config(tree=use_tree))
+
+    # -- one micro-batch -------------------------------------------------------------------
+    def _run(self, tree: PackedTree, *, entropy: bool) -> _Run:
+        device = self.layout.device
+        tensors = TreeTensors.from_tree(tree, device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=self.attention, block_size=self.block_size, device=device)
+        with tree_forward():
+            raw = self.model(
+                input_ids=tensors.input_ids_N[None],
+                position_ids=tensors.position_ids_N[None],
+                use_cache=False,
+                tree_attention=meta,
+            )
+        if self.role == "critic":
+            values_N = raw[0]
+            out = MicroBatchOutput(values=values_N[tensors.pred_M].float())
+            anchor = values_N.sum() * 0.0
+        else:
+            logits = raw.logits
+            logits_NV = logits.view(logits.shape[-2], logits.shape[-1])  # a view: no select-backward copy
+            logp_M, ent_M = gather_logprobs(logits_NV, tensors.pred_M, tensors.label_M, with_entropy=entropy)
+            out = MicroBatchOutput(logprobs=logp_M, entropy=ent_M)
+            anchor = logits_NV[:1, :1].sum() * 0.0
+        return _Run(tensors=tensors, out=out, anchor=anchor)
+
+    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot train")
+        self.model.train()
+        packed = self.pack(batch.sequences, tree=tree)
+        # The global token count, fixed before the micro-batch loop: every rank holds the whole
+        # batch, so no all-reduce is needed. Each micro-batch divides its sum by it, so uneven
+        # micro-batches (and ranks) still give the mean over the batch.
+        total = max(batch.num_loss_tokens(), 1)
+        # FSDP averages gradients over the dp ranks; each rank's loss is its share of one sum.
+        scale = self.layout.dp / total
+        device = self.layout.device
+        loss_sum = torch.zeros((), device=device)
+        stat_sums: dict[str, torch.Tensor] = {}
+        trees = packed.rank_trees(self.layout.dp_rank)
+        for tree_mb in trees:
+            run = self._run(tree_mb, entropy=loss.needs_entropy)
+            mask_M = pack_sequence_tensors(tree_mb, batch.loss_mask).to(device)
+            inputs = {k: pack_sequence_tensors(tree_mb, v).to(device) for k, v in batch.tensors.items()}
+            mb_loss, stats = loss(run.out, mask_M, inputs)
+            torch.autograd.backward((mb_loss + run.anchor) * scale)
+            loss_sum += mb_loss.detach()
+            for k, v in stats.items():
+                stat_sums[k] = stat_sums.get(k, torch.zeros((), device=device)) + v.detach().float()
+        names = sorted(stat_sums)
+        sums = torch.stack([loss_sum, *(stat_sums[k] for k in names)])
+        if self.layout.dp > 1:
+            assert self.layout.mesh is not None
+            dist.all_reduce(sums, group=self.layout.mesh["dp"].get_group())
+        host = (sums / total).tolist()  # host sync: once per forward_backward, for logging
+        s = packed.stats
+        return StepStats(
+            loss=host[0],
+            stats=dict(zip(names, host[1:], strict=True)),
+            loss_tokens=batch.num_loss_tokens(),
+            original_tokens=s.original_tokens,
+            tree_tokens=s.tree_tokens,
+            padded_tokens=s.padded_tokens,
+            micro_batches=len(trees),
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Sequence[int]], *, tree: bool | None = None) -> list[torch.Tensor]:
+        """Per-sequence log-probs (actor, ref) or values (critic), fp32, ``len - 1`` each, on
+        the CPU, in input order."""
+        if not batch:
+            return []
+        self.model.eval()
+        packed = self.pack(batch, tree=tree)
+        lengths = [len(s) - 1 for s in batch]
+        mine: dict[int, torch.Tensor] = {}
+        for tree_mb in packed.rank_trees(self.layout.dp_rank):
+            run = self._run(tree_mb, entropy=False)
+            flat = run.out.values if self.role == "critic" else run.out.logprobs
+            assert flat is not None
+            mine.update(unpack_sequence_tensors(tree_mb, flat.float().cpu(), lengths))
+        if self.layout.dp > 1:
+            assert self.layout.mesh is not None
+            gathered: list[Any] = [None] * self.layout.dp
+            dist.all_gather_object(gathered, mine, group=self.layout.mesh["dp"].get_group())
+            for part in gathered:
+                mine.update(part)
+        return [mine[i] for i in range(len(batch))]
+
+    # -- optimizer -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """Clip the gradients to ``max_grad_norm`` (one all-reduce, one host sync), apply
+        AdamW with the warm-up learning rate, zero the gradients; returns the norm before clipping."""
+        if self.optimizer is None or self.optim is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
+        cfg = self.optim
+        params = list(self.model.parameters())
+        norm = float(grad_norm(params, device=self.layout.device))  # host sync: once per step, logged too
+        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+            scale_grads(params, cfg.max_grad_norm / (norm + 1e-6))
+        warm = cfg.warmup_steps
+        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return norm
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        path.mkdir(parents=True, exist_ok=True)
+        if self.layout.world_size > 1:
+            dcp_save(self._state(), checkpoint_id=str(path / self.role))  # each rank writes its shards
+        else:
+            torch.save(self._state(), path / f"{self.role}.pt")  # one process: no collectives to plan
+        rng = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        meta = {"steps": self.steps, "rng": rng, "extra": dict(extra), "model": self.settings.path}
+        torch.save(meta, path / f"{self.role}-rank{self.layout.rank}.pt")
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        own = path / f"{self.role}-rank{self.layout.rank}.pt"
+        if not own.exists():
+            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
+        meta = torch.load(own, weights_only=False)
+        saved_model = meta.get("model", self.settings.path)  # older checkpoints lack it
+        if saved_model != self.settings.path:
+            raise EngineConfigError(
+                f"checkpoint {path} was written for model {saved_model!r}, but this run trains "
+                f"{self.settings.path!r}; fix: give this run a new checkpoint.dir (or set model.path back)"
+            )
+        try:
+            if self.layout.world_size > 1:
+                state = self._state()
+                dcp_load(state, checkpoint_id=str(path / self.role))
+            else:
+                state = torch.load(path / f"{self.role}.pt", weights_only=False)
+            if self.optimizer is None:
+                set_model_state_dict(self.model, state["model"])
+            else:
+                set_state_dict(
+                    self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
+        except (RuntimeError, KeyError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise EngineConfigError(
+                f"cannot resume the {self.role} from checkpoint {path}: {first}; fix: give this run a new "
+                "checkpoint.dir if that checkpoint belongs to another model or layout"
+            ) from None
+        self.steps = int(meta["steps"])
+        random.setstate(meta["rng"]["python"])
+        torch.set_rng_state(meta["rng"]["torch"])
+        if meta["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(meta["rng"]["cuda"])
+        extra: dict[str, Any] = meta["extra"]
+        return extra
+
+    def export_hf(self, path: Path) -> None:
+        """Full (unsharded) weights as safetensors + config; rank 0 writes, every rank joins."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.role == "critic":
+            raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if self.layout.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(str(path), state_dict=state)  # type: ignore[operator]
+        if self.layout.world_size > 1:
+            dist.barrier()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients by parameter name (tests and parity scripts)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[name] = g.detach().cpu().clone()
+        return out
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+
+def _local_grads(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    """Each gradient's local tensor and how many ranks hold that same tensor (its copies).
+
+    A DTensor's local shard is one of ``prod(mesh sizes of its sharded placements)`` distinct
+    pieces, each held by ``world / pieces`` ranks (the mesh may be a sub-mesh of the world:
+    FSDP's dp mesh inside a dp x tp grid is replicated over tp); a plain tensor is the same
+    on all ``world`` ranks (replicated modules under tensor parallel, or one process).
+    """
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    out = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                # A pending sum: reduce it first (a collective; never the case after FSDP's
+                # reduce-scatter or tensor parallel's backward, so never paid here).
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            # Every placement but Replicate splits the tensor over its mesh dimension: Shard, and
+            # FSDP2's _StridedShard over dp in a dp x tp grid (which is not a Shard subclass).
+            pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            out.append((g.to_local(), world // pieces))
+        else:
+            out.append((g, world))
+    return out
+
+
+def grad_norm(params: Iterable[torch.Tensor], *, device: torch.device | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients, whatever mix of plain, FSDP and TP tensors they are,
+    as a 0-d fp32 tensor on ``device`` (default: the gradients' device).
+
+    One collective: every rank adds its local sums of squares, each divided by the number of
+    ranks holding that same tensor, so the sum over ranks counts every distinct shard once;
+    one ``all_reduce`` (sum) over the default group adds them up.
+    """
+    grads = _local_grads(params)
+    if device is None:
+        device = grads[0][0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for g, copies in grads:
+        if g.numel():
+            by_copies.setdefault(copies, []).append(g.detach())
+    for copies, tensors in by_copies.items():
+        norms = torch.stack(torch.foreach.norm(tensors, dtype=torch.float32)).to(device)
+        total += norms.square().sum() / copies
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiply every gradient in place (each rank its local shards; a pending sum's parts
+    scale its sum)."""
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is not None:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            if local.numel():
+                grads.append(local)
+    if grads:
+        torch.foreach.mul_(grads, coef)

@@ -1,0 +1,179 @@
+"""Where the model comes from: a Hugging Face directory (or hub name) or ``builtin:NAME``.
+
+:meth:`ModelSource.resolve` looks the path up once (a packaged built-in model is converted
+into the cache on first use; its Hugging Face config is read) and everything below takes
+that resolved object: :func:`build_model` (one role's model, on the CPU or the meta device)
+and :func:`load_sharded` (several ranks, weights read by rank 0 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from treetrain.attention import use_tree_attention
+from treetrain.config import ModelSettings
+from treetrain.engines import builtin
+from treetrain.engines.base import check_role
+from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.fsdp.parallelize import compute_dtype, parallelize, param_dtype
+from treetrain.engines.parallel import ParallelLayout
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A model path, resolved once: its settings, its directory and its Hugging Face config.
+
+    ``random``: a random built-in model (``builtin:tiny-llama``), built from ``config`` alone,
+    with no directory (``directory`` is None). Otherwise ``directory`` is what transformers
+    loads: the path itself, or the cache directory a packaged built-in model was converted into.
+    """
+
+    settings: ModelSettings
+    directory: str | None
+    config: Any  # transformers.PretrainedConfig, attention dropout off; build_model copies it
+    random: bool
+
+    @property
+    def path(self) -> str:
+        return self.settings.path
+
+    @classmethod
+    def resolve(cls, model: ModelSettings | str, log: Callable[[str], None] | None = None) -> ModelSource:
+        """Check the path, convert a packaged built-in model on first use, read the config."""
+        from transformers import AutoConfig
+
+        settings = ModelSettings(path=model) if isinstance(model, str) else model
+        builtin.check_path(settings.path)
+        fields = builtin.random_config(settings.path)
+        if fields is not None:
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            directory = None
+        else:
+            directory = builtin.local_dir(settings.path, log)
+            try:
+                config = AutoConfig.from_pretrained(directory)
+            except (OSError, ValueError) as err:
+                raise EngineConfigError(
+                    f"cannot load model.path {settings.path!r}: {err}. Give a local Hugging Face model directory "
+                    f"(config.json + weights), a hub name this machine can download, or one of "
+                    f"{', '.join(builtin.PREFIX + n for n in builtin.NAMES)}"
+                ) from None
+        config.attention_dropout = 0.0
+        return cls(settings=settings, directory=directory, config=config, random=directory is None)
+
+    def load_tokenizer(self) -> Any | None:
+        """The model's tokenizer; None for a random built-in model, which has none."""
+        if self.directory is None:
+            return None
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.directory)
+        except (OSError, ValueError) as err:
+            raise EngineConfigError(
+                f"cannot load a tokenizer from model.path {self.path!r} ({self.directory}): {err}"
+            ) from None
+
+
+def hf_config(model: ModelSource | ModelSettings | str) -> Any:
+    """The Hugging Face config of a model (resolving the path when it is not resolved yet)."""
+    source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+    return source.config
+
+
+class ValueModel(nn.Module):
+    """A critic: a transformers backbone plus a scalar head (the HF classes stay untouched)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+
+    @property
+    def config(self) -> Any:
+        return self.backbone.config
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        hidden_BND = self.backbone(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        values_BN: torch.Tensor = self.value_head(hidden_BND).squeeze(-1)
+        return values_BN
+
+
+def build_model(
+    source: ModelSource | ModelSettings | str,
+    role: str = "actor",
+    *,
+    meta: bool = False,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The model of one role: loaded from the source's directory on the CPU, or (``meta=True``,
+    and for random built-in models) built from its config alone; identical on every rank.
+
+    ``dtype``: the parameters' dtype (default: ``model.dtype``; the engine passes fp32 when
+    FSDP keeps fp32 master weights, see :mod:`.parallelize`).
+    """
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    check_role(role)
+    if not isinstance(source, ModelSource):
+        source = ModelSource.resolve(source)
+    settings = source.settings
+    dtype = dtype if dtype is not None else compute_dtype(settings)
+    torch.manual_seed(settings.seed)  # built-in random weights and the value head: the same on every rank
+    config = copy.deepcopy(source.config)  # transformers writes into it (the attention implementation)
+    # transformers' Auto classes are untyped: Any. A critic is the bare backbone plus a value head.
+    auto: Any = AutoModel if role == "critic" else AutoModelForCausalLM
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if meta or source.directory is None:
+            net: nn.Module = auto.from_config(config, dtype=dtype)
+        else:
+            net = auto.from_pretrained(source.directory, config=config, dtype=dtype)
+        use_tree_attention(net)
+        model = ValueModel(net, config.hidden_size).to(dtype) if role == "critic" else net
+    if settings.gradient_checkpointing:
+        target = model.backbone if isinstance(model, ValueModel) else model
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    return model
+
+
+def load_sharded(source: ModelSource, role: str, layout: ParallelLayout) -> nn.Module:
+    """Several ranks, weights from a directory: build on the meta device, shard, then load.
+
+    Only rank 0 reads the checkpoint (one full copy in host memory, not one per rank); every
+    rank builds the model on the meta device (no memory), shards it, allocates just its
+    shards (``to_empty``) and receives them from rank 0. Buffers that are not in the state
+    dict (rotary frequencies) are broadcast from rank 0 too.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    dtype = param_dtype(source.settings, layout)
+    full_model = build_model(source, role, dtype=dtype) if layout.is_main else None
+    model = parallelize(build_model(source, role, meta=True, dtype=dtype), layout, source.settings)
+    model.to_empty(device=layout.device)
+    full = full_model.state_dict() if full_model is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    src_buffers = dict(full_model.named_buffers()) if full_model is not None else {}
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if full_model is not None:
+                buf.copy_(src_buffers[name])
+            dist.broadcast(buf, src=0)
+    del full_model, full
+    return model
+
+
+def build_parallel(source: ModelSource, role: str, layout: ParallelLayout) -> nn.Module:
+    """One role's model spread over ``layout``, on ``layout.device``, identical on every rank."""
+    if layout.world_size > 1 and source.directory is not None:
+        return load_sharded(source, role, layout)
+    model = build_model(source, role, dtype=param_dtype(source.settings, layout))
+    return parallelize(model, layout, source.settings).to(layout.device)
