@@ -176,6 +176,6 @@ def test_every_config_the_operator_writes_is_accepted_by_the_trainer_unchanged(m
     (config_map,) = [o for o in p.objects if o["kind"] == "ConfigMap"]
     text = config_map["data"]["config.yaml"]
     # What the trainer pod does: read the mounted file with the pod's environment (no overrides).
-    read, launch = C.validate_with_launch(C.read_yaml(text, "config.yaml"), env={"TREETRAIN_RESTART": "0"})
+    read, _ = C.validate_with_launch(C.read_yaml(text, "config.yaml"), env={"TREETRAIN_RESTART": "0"})
     assert read == p.config
     assert C.dump_yaml(read) == text  # and writes it back byte for byte

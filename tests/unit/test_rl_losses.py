@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from treetrain.config import LossSettings, ValueLossSettings
 from treetrain.engines.base import MicroBatchOutput
 from treetrain.rl.losses import LossConfigError, PPOLoss, ValueLoss, group_advantages
 
@@ -48,7 +50,7 @@ def _out(logp: list[float]) -> MicroBatchOutput:
     ],
 )
 def test_ppo_clip(ratio: float, adv: float, clipped: bool, want_loss: float, want_grad: float) -> None:
-    loss = PPOLoss(PPOLoss.Config(clip_eps=0.2, behav_imp_weight_cap=None))
+    loss = PPOLoss(LossSettings(clip_eps=0.2, behav_imp_weight_cap=None))
     out = _out([math.log(ratio)])
     value, stats = loss(out, torch.ones(1), {"advantages": torch.tensor([adv]), "old_logprobs": torch.zeros(1)})
     value.backward()
@@ -59,17 +61,17 @@ def test_ppo_clip(ratio: float, adv: float, clipped: bool, want_loss: float, wan
 
 
 def test_clip_higher_and_dual_clip() -> None:
-    high = PPOLoss(PPOLoss.Config(clip_eps=0.2, clip_eps_high=0.28, behav_imp_weight_cap=None))
+    high = PPOLoss(LossSettings(clip_eps=0.2, clip_eps_high=0.28, behav_imp_weight_cap=None))
     value, _ = high(_out([math.log(1.5)]), torch.ones(1), {"advantages": torch.ones(1), "old_logprobs": torch.zeros(1)})
     assert float(value.detach()) == pytest.approx(-1.28)
-    dual = PPOLoss(PPOLoss.Config(clip_eps=0.2, dual_clip=3.0, behav_imp_weight_cap=None))
+    dual = PPOLoss(LossSettings(clip_eps=0.2, dual_clip=3.0, behav_imp_weight_cap=None))
     inputs = {"advantages": torch.tensor([-1.0]), "old_logprobs": torch.zeros(1)}
     value, _ = dual(_out([math.log(10.0)]), torch.ones(1), inputs)
     assert float(value.detach()) == pytest.approx(3.0)  # bounded at dual_clip * |A| instead of 10
 
 
 def test_masked_tokens_contribute_nothing() -> None:
-    loss = PPOLoss(PPOLoss.Config())
+    loss = PPOLoss(LossSettings())
     out = _out([-1.0, -2.0, -3.0])
     value, stats = loss(out, torch.tensor([0.0, 1.0, 0.0]), {"advantages": torch.tensor([5.0, 2.0, 7.0])})
     value.backward()
@@ -80,7 +82,7 @@ def test_masked_tokens_contribute_nothing() -> None:
 
 
 def test_decoupled_behaviour_weights_and_cap() -> None:
-    loss = PPOLoss(PPOLoss.Config(behav_imp_weight_cap=2.0))
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0))
     inputs = {
         "advantages": torch.ones(2),
         "old_logprobs": torch.tensor([-1.0, -1.0]),
@@ -92,7 +94,7 @@ def test_decoupled_behaviour_weights_and_cap() -> None:
 
 
 def test_kl_needs_ref_and_is_k3() -> None:
-    loss = PPOLoss(PPOLoss.Config(kl_coef=0.5))
+    loss = PPOLoss(LossSettings(kl_coef=0.5))
     with pytest.raises(LossConfigError, match="ref_logprobs"):
         loss(_out([-1.0]), torch.ones(1), {"advantages": torch.zeros(1)})
     value, stats = loss(
@@ -104,8 +106,8 @@ def test_kl_needs_ref_and_is_k3() -> None:
 
 
 def test_entropy_bonus_asks_for_entropy() -> None:
-    assert not PPOLoss(PPOLoss.Config()).needs_entropy
-    loss = PPOLoss(PPOLoss.Config(entropy_coef=0.1))
+    assert not PPOLoss(LossSettings()).needs_entropy
+    loss = PPOLoss(LossSettings(entropy_coef=0.1))
     assert loss.needs_entropy
     out = MicroBatchOutput(logprobs=torch.tensor([-1.0]), entropy=torch.tensor([2.0]))
     value, stats = loss(out, torch.ones(1), {"advantages": torch.zeros(1)})
@@ -114,7 +116,7 @@ def test_entropy_bonus_asks_for_entropy() -> None:
 
 
 def test_value_loss_clips_around_old_values() -> None:
-    loss = ValueLoss(ValueLoss.Config(clip_eps=0.1))
+    loss = ValueLoss(ValueLossSettings(clip_eps=0.1))
     out = MicroBatchOutput(values=torch.tensor([1.0, 0.5]))
     inputs = {"returns": torch.tensor([0.0, 0.5]), "old_values": torch.tensor([0.0, 0.5])}
     value, _ = loss(out, torch.tensor([1.0, 1.0]), inputs)
@@ -127,8 +129,8 @@ def test_value_loss_clips_around_old_values() -> None:
     [{"clip_eps": 0.0}, {"clip_eps": 1.5}, {"dual_clip": 1.0}, {"kl_coef": -1.0}, {"behav_imp_weight_cap": 0.5}],
 )
 def test_bad_config_is_refused(bad: dict[str, float]) -> None:
-    with pytest.raises(LossConfigError):
-        PPOLoss.Config(**bad)
+    with pytest.raises(ValidationError):
+        LossSettings(**bad)
 
 
 def test_uneven_micro_batches_give_the_global_mean(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,18 +138,16 @@ def test_uneven_micro_batches_give_the_global_mean(monkeypatch: pytest.MonkeyPat
     uneven trees, one big tree and flat packing all give the same loss and gradients."""
     from test_engine_dist import MODEL, make_batch
 
-    from treetrain.engines.base import OptimConfig, TreeTrainingConfig
-    from treetrain.engines.fsdp import FSDPEngine, ModelConfig
-    from treetrain.engines.parallel import init_distributed
+    from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+    from treetrain.engines import build_engine
 
-    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "16")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    layout = init_distributed("fsdp:d1")
     batch = make_batch(seed=1)
-    loss = PPOLoss(PPOLoss.Config())
+    loss = PPOLoss(LossSettings())
     results = []
     for cap, tree in ((64, True), (512, True), (64, False)):
-        engine = FSDPEngine(ModelConfig(**MODEL), layout, TreeTrainingConfig(max_tokens_per_mb=cap), OptimConfig())
+        settings = TreeTrainingSettings(max_tokens_per_mb=cap, block_size=16)
+        engine = build_engine(ModelSettings(**MODEL), "fsdp:d1", tree=settings, optimizer=OptimizerSettings())
         stats = engine.forward_backward(batch, loss, tree=tree)
         results.append((stats, engine.full_grads()))
     counts = [s.micro_batches for s, _ in results]

@@ -318,9 +318,9 @@ def test_mixed_weight_sync_errors_surface_after_every_server_resumed(
 
 
 def test_remote_client_rejects_bad_server_lists(sglang: FakeServer) -> None:
-    with pytest.raises(RolloutError, match=r"rollout\.endpoints"):
+    with pytest.raises(RolloutError, match=r"rollout\.servers"):
         remote_client([])
-    with pytest.raises(RolloutError, match=r"rollout\.endpoints"):
+    with pytest.raises(RolloutError, match=r"rollout\.servers"):
         detect_kind([])
     with pytest.raises(RolloutError, match=r"'tgi'.*sglang, vllm, auto"):
         remote_client([(sglang.url, "sglang"), ("http://127.0.0.1:1", "tgi")])

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.parallel import ParallelLayout
 
 __all__ = ["ROLES", "Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "check_role"]
 
@@ -107,6 +108,17 @@ class StepStats:
 
 class Engine(ABC):
     """Build from a model and a parallel strategy; train with or without tree packing."""
+
+    # What the trainer reads of every engine.
+    layout: ParallelLayout  # this process's place in the backend's grid
+    model: torch.nn.Module  # the (sharded) module; local rollout samples from an actor's
+    attention: str  # the tree attention backend in use (resolved from the config's name)
+    steps: int  # optimizer steps taken (restored by load)
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (a task's token ids must stay below it)."""
 
     @abstractmethod
     def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:

@@ -99,7 +99,7 @@ class Trainer:
         self.actor: Engine = build_engine(cfg.model, cfg.actor.backend, role="actor", tree=tree, optimizer=t.optimizer)
         self.layout = self.actor.layout
         self.main = self.layout.is_main
-        vocab = self.actor.model.config.vocab_size
+        vocab = self.actor.vocab_size
         if self.task.vocab_size > vocab:
             raise EngineConfigError(
                 f"task {t.task} uses token ids up to {self.task.vocab_size - 1}, but the model's vocabulary has {vocab}"

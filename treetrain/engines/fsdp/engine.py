@@ -80,6 +80,10 @@ class FSDPEngine(Engine):
             self.model.requires_grad_(False)
         self.steps = 0
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.source.config.vocab_size)
+
     # -- packing ---------------------------------------------------------------------------
     def _pack_config(self, *, tree: bool) -> PackConfig:
         return PackConfig(
