@@ -183,7 +183,12 @@ def reference_table() -> str:
             kind = sub.get("type", "")
             if kind == "array":
                 kind = f"list of {sub.get('items', {}).get('type', 'object')}"
-            checks = [f"{k} {sub[k]}" for k in ("minimum", "maximum", "minLength", "maxLength", "maxItems") if k in sub]
+            checks = [
+                (f"{sign} {sub[bound]}" if sub.get(strict) else f"{bound} {sub[bound]}")
+                for bound, strict, sign in (("minimum", "exclusiveMinimum", ">"), ("maximum", "exclusiveMaximum", "<"))
+                if bound in sub
+            ]
+            checks += [f"{k} {sub[k]}" for k in ("minLength", "maxLength", "minItems", "maxItems") if k in sub]
             if "pattern" in sub:
                 checks.append(f"pattern `{sub['pattern']}`")
             if "enum" in sub:

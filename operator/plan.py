@@ -24,6 +24,7 @@ from rljob_operator.models import GROUP, KIND, VERSION, ComponentStatus, RLJobSp
 from rljob_operator.servers import MultiNode, multi_node_command, server_argv, server_env
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
+from treetrain.config.load import value_problem
 
 MANAGED_BY = "rljob-operator"
 LABEL_RLJOB = f"{GROUP}/rljob"
@@ -148,25 +149,9 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
     components, component_errors = _components(_engines(spec, raw))
     seen = {e.path for e in errors}
     errors += [e for e in component_errors if e.path not in seen]
-    # The trainer's own rules, before anything is created: what it would refuse in the pod (a
-    # misplaced trainerConfig key, an engine it cannot run, a micro-batch cap off the block
-    # alignment) is refused here, in the trainer's words. When the RLJob schema failed, the
-    # sections the user wrote are still checked, so one run lists every problem.
-    config = None
-    if spec is not None:
-        draft = trainer_config(Plan(name=name, namespace=namespace, spec=spec, components=components))
-    else:
-        draft = _written_sections(raw)
-    try:
-        config = validate(draft)
-    except ConfigError as err:
-        seen = {e.path for e in errors}
-        keep = (lambda _: True) if spec is not None else (lambda p: p.split(".")[0] in _written_sections(raw))
-        errors += [
-            e
-            for p, e in zip(err.problems, map(_config_problem, err.problems), strict=True)
-            if e.path not in seen and keep(p[0])
-        ]
+    config, config_errors = _check_trainer_config(name, namespace, spec, raw, components)
+    seen = {e.path for e in errors}
+    errors += [e for e in config_errors if e.path not in seen]
     if errors or spec is None:
         raise PlanError(errors)
     result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config)
@@ -208,6 +193,25 @@ def rljob_path(config_path: str) -> str:
     return base + dot + rest
 
 
+def _check_trainer_config(
+    name: str, namespace: str, spec: RLJobSpec | None, raw: Any, components: dict[str, Component]
+) -> tuple[TrainConfig | None, list[FieldError]]:
+    """The trainer's own rules, before anything is created: what it would refuse in the pod (a
+    misplaced trainerConfig key, an engine it cannot run, a micro-batch cap off the block
+    alignment) is refused here, in the trainer's words. When the RLJob schema failed, the
+    sections the user wrote are still checked, so one run lists every problem."""
+    if spec is not None:
+        draft = trainer_config(Plan(name=name, namespace=namespace, spec=spec, components=components))
+    else:
+        draft = _written_sections(raw)
+    try:
+        return validate(draft), []
+    except ConfigError as err:
+        written = ("actor", "critic", "ref", "trainer")
+        found = err.problems if spec is not None else [p for p in err.problems if p[0].split(".")[0] in written]
+        return None, [_config_problem(p) for p in found]
+
+
 def _written_sections(raw: Any) -> dict[str, Any]:
     """The trainer config sections an RLJob spec spells like the config itself."""
     raw = raw if isinstance(raw, dict) else {}
@@ -217,8 +221,8 @@ def _written_sections(raw: Any) -> dict[str, Any]:
         "ref": raw.get("ref"),
         "trainer": raw.get("trainerConfig"),
     }
-    sections = {k: v for k, v in found.items() if isinstance(v, dict)}
-    return {"model": {"path": "unchecked"}, **sections}
+    # model.path is a placeholder (a broken schema may hide the real one); its problems are dropped.
+    return {"model": {"path": "unchecked"}, **{k: v for k, v in found.items() if isinstance(v, dict)}}
 
 
 def _config_problem(problem: tuple[str, str]) -> FieldError:
@@ -244,12 +248,11 @@ def _check_name(name: str) -> list[FieldError]:
 
 def _pydantic_error(error: Any) -> FieldError:
     path = ".".join(str(p) for p in ("spec", *error["loc"]))
-    message = error["msg"]
     if error["type"] == "missing":
-        message = "is required"
-    elif error["type"] == "extra_forbidden":
-        message = "is not a field of RLJob (check the spelling; fields are camelCase)"
-    return FieldError(path, message)
+        return FieldError(path, "is required")
+    if error["type"] == "extra_forbidden":
+        return FieldError(path, "is not a field of RLJob (check the spelling; fields are camelCase)")
+    return FieldError(path, value_problem(error))
 
 
 @dataclass(frozen=True)

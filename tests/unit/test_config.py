@@ -179,3 +179,49 @@ def test_every_config_the_operator_writes_is_accepted_by_the_trainer_unchanged(m
     read, _ = C.validate_with_launch(C.read_yaml(text, "config.yaml"), env={"TREETRAIN_RESTART": "0"})
     assert read == p.config
     assert C.dump_yaml(read) == text  # and writes it back byte for byte
+
+
+# -- rljob plan and treetrain train refuse the same mistakes in the same words ---------------
+
+MISTAKES = {
+    "misplaced trainerConfig key": ({"trainerConfig": {"steps": 10, "lr": 1e-6}}, {"trainer": {"steps": 10, "lr": 1e-6}}),
+    "micro-batch cap off the block": (
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
+    ),
+    "engine not built": ({"actor": {"backend": "megatron:d8"}}, {"actor": {"backend": "megatron:d8"}}),
+    "unknown attention backend": (
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},
+        {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_rljob_plan_and_treetrain_train_refuse_a_mistake_in_the_same_words(
+    mistake: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rljob_operator.cli import main as rljob
+    from rljob_operator.plan import rljob_path
+    from treetrain.cli import main as treetrain
+
+    for name in C.ENV_OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    spec, trainer_file = MISTAKES[mistake]
+    manifest = copy.deepcopy(EXAMPLE)
+    manifest["spec"].update(spec)
+    (tmp_path / "rljob.yaml").write_text(yaml.safe_dump(manifest))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"path": "builtin:tiny-llama"}, **trainer_file}))
+
+    assert rljob(["plan", str(tmp_path / "rljob.yaml")]) == 2
+    planned = [line.strip()[2:] for line in capsys.readouterr().err.splitlines() if line.strip().startswith("- ")]
+    assert treetrain(["train", str(tmp_path / "config.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    trained = [line.strip()[2:] for line in err.splitlines() if line.strip().startswith("- ")]
+    assert len(planned) == len(trained) == 1, (planned, trained)
+    path, _, message = trained[0].partition(": ")
+    # The same message; the path (and a suggested path) named as the RLJob field.
+    assert planned[0] == f"{rljob_path(path)}: {message}".replace(
+        "did you mean trainer.", "did you mean spec.trainerConfig."
+    )

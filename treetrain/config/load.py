@@ -236,11 +236,17 @@ def _schema_problem(error: Any) -> Problem:
         return path, "required"
     if kind == "extra_forbidden":
         return path, "unknown key" + _hint(loc)
+    return path, value_problem(error)
+
+
+def value_problem(error: Any) -> str:
+    """A pydantic error about a value, in the words every config problem uses (the operator
+    words the RLJob's own fields the same way)."""
     value = error.get("input")
-    message = error["msg"]
-    if kind in ("model_type", "model_attributes_type", "dict_type"):
-        return path, f"must be a mapping, got {_kind(value)}"
-    return path, f"{message[0].lower()}{message[1:]}, got {value!r}"
+    message = str(error["msg"])
+    if error["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping, got {_kind(value)}"
+    return f"{message[0].lower()}{message[1:]}, got {value!r}"
 
 
 def _hint(loc: tuple[Any, ...]) -> str:
