@@ -330,6 +330,14 @@ def test_what_the_trainer_would_refuse_is_refused_before_anything_is_created(
         assert not listed.items, [o.metadata.name for o in listed.items]
 
 
+def test_kubectl_explain_shows_the_trainer_config(cluster: Cluster, crd: None) -> None:
+    # spec.trainerConfig's schema is generated from the trainer's own models.
+    out = cluster.run("kubectl", "explain", f"{PLURAL}.spec.trainerConfig.optimizer").stdout
+    assert "lr" in out and "maxGradNorm" in out and "warmupSteps" in out, out
+    out = cluster.run("kubectl", "explain", f"{PLURAL}.spec.actor.treeTraining").stdout
+    assert "maxTokensPerMicrobatch" in out and "blockSize" in out, out
+
+
 def test_an_unknown_attention_backend_is_refused_by_the_api_server(
     cluster: Cluster, namespace: str, operator: RunningOperator
 ) -> None:

@@ -8,6 +8,7 @@ processes check d2t2 (FSDP over a data x tensor parallel grid)."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
 import socket
@@ -238,6 +239,7 @@ def _check_2d() -> None:
 
 
 def _worker(rank: int, world: int, port: int, tmp: str, errors: Any) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ (gloo) still shows where it was
     os.environ.update(
         WORLD_SIZE=str(world),
         RANK=str(rank),

@@ -355,3 +355,27 @@ def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_pa
     assert (Path(loads[-1]) / "config.json").is_file()
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v00000002"]  # older versions pruned
     assert any(Path(loads[-1]).glob("*.safetensors"))
+
+
+def test_trainer_speaks_to_each_engines_servers_in_their_own_api(
+    sglang: FakeServer, vllm: FakeServer, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An RLJob with an SGLang and a vLLM engine: the config the operator writes names each
+    server's kind, and one training step samples from both and syncs both, each in its API."""
+    from test_train import small
+
+    from treetrain import config as C
+    from treetrain.trainer.loop import Trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    raw = small(tmp_path)
+    raw["trainer"]["steps"] = 1
+    raw["rollout"] = {"servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}]}
+    trainer = Trainer(C.validate(raw), log=lambda _: None)
+    assert trainer.client is not None and trainer.client.kind == "sglang+vllm"
+    trainer.run()
+    trainer.close()
+    assert "/generate" in sglang.paths() and "/v1/completions" not in sglang.paths()
+    assert "/v1/completions" in vllm.paths() and "/generate" not in vllm.paths()
+    assert "/update_weights_from_disk" in sglang.paths() and "/collective_rpc" in vllm.paths()
+    assert not [c for c in sglang.calls + vllm.calls if c[1] in ("/model_info", "/v1/models")]  # kinds known: no probe
