@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
@@ -34,20 +35,35 @@ RESYNC_SECONDS = 30.0
 
 
 class WorkQueue:
-    """Keys due at a time; each key is processed by at most one worker at once."""
+    """Keys due at a time; each key is processed by at most one worker at once.
+
+    Owned by the event loop that runs :meth:`run`: :meth:`add` from any other thread (a
+    synchronous kopf handler runs in an executor thread) is handed to the loop, so the due
+    map is only ever touched by one thread.
+    """
 
     def __init__(self) -> None:
         self._due: dict[Key, float] = {}
         self._running: set[Key] = set()
         self._wakeup = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
 
     def add(self, key: Key, delay: float = 0.0) -> None:
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            loop.call_soon_threadsafe(self._add, key, delay)
+        else:
+            self._add(key, delay)
+
+    def _add(self, key: Key, delay: float) -> None:
         due = time.monotonic() + delay
         if key not in self._due or due < self._due[key]:
             self._due[key] = due
         self._wakeup.set()
 
     async def run(self, worker: Callable[[Key], Awaitable[None]], concurrency: int = 4) -> None:
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         tasks: set[asyncio.Task[None]] = set()
 
         async def process(key: Key) -> None:
@@ -81,6 +97,23 @@ class Controller:
         self.metrics = metrics
         self.queue = WorkQueue()
         self.known: set[Key] = set()
+        # Set when a background task (the work queue, the resync) died: the operator would go
+        # silent, so liveness fails and the process stops (the Deployment restarts it).
+        self.fatal: str | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+
+    def watch(self, task: asyncio.Task[None]) -> None:
+        """Make the death of a background task fatal and visible instead of silent."""
+
+        def done(t: asyncio.Task[None]) -> None:
+            if t.cancelled():
+                return
+            error = t.exception()
+            self.fatal = f"background task {t.get_name()} ended: {error!r}" if error else f"{t.get_name()} returned"
+            log.critical("%s; the operator stops so that it is restarted", self.fatal, exc_info=error)
+            self.on_fatal()
+
+        task.add_done_callback(done)
 
     async def worker(self, key: Key) -> None:
         started = time.monotonic()
@@ -195,8 +228,17 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
-        memo["queue_task"] = asyncio.create_task(controller.queue.run(controller.worker))
-        memo["resync_task"] = asyncio.create_task(_resync(controller))
+        memo["queue_task"] = asyncio.create_task(controller.queue.run(controller.worker), name="work queue")
+        memo["resync_task"] = asyncio.create_task(_resync(controller), name="resync")
+        controller.watch(memo["queue_task"])
+        controller.watch(memo["resync_task"])
+
+    @kopf.on.probe(id="background", registry=registry)
+    def alive(**_: Any) -> str:
+        # /healthz answers 500 once the reconcile loop is dead (kopf reports a failing probe).
+        if controller.fatal:
+            raise kopf.PermanentError(controller.fatal)  # permanent: fail this probe now, no retries
+        return "ok"
 
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: kopf.Memo, **_: Any) -> None:
@@ -220,11 +262,12 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
             private_key_path=c.private_key_path,
         )
 
+    # Async handlers run on the event loop itself (kopf runs sync ones in executor threads).
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def rljob_changed(namespace: str | None, name: str, **_: Any) -> None:
+    async def rljob_changed(namespace: str | None, name: str, **_: Any) -> None:
         controller.queue.add((namespace or "default", name))
 
-    def child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    async def child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         controller.queue.add((namespace or "default", labels[LABEL_RLJOB]))
 
     for group, version, plural in (("", "v1", "pods"), ("batch", "v1", "jobs"), ("apps", "v1", "statefulsets")):

@@ -49,5 +49,7 @@ def run_operator(*, namespaces: list[str], metrics_port: int, liveness_port: int
     liveness = f"http://{bind}:{liveness_port}/healthz" if liveness_port else None
     scope = ", ".join(namespaces) if namespaces else "all namespaces"
     logging.getLogger("rljob_operator").info("watching RLJobs in %s", scope)
-    asyncio.run(serve(controller, namespaces=namespaces, liveness_endpoint=liveness))
-    return 0
+    stop = threading.Event()
+    controller.on_fatal = stop.set  # a dead reconcile loop stops the process: the Deployment restarts it
+    asyncio.run(serve(controller, namespaces=namespaces, liveness_endpoint=liveness, stop_flag=stop))
+    return 1 if controller.fatal else 0
