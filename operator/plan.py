@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rljob_operator.models import GROUP, KIND, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
-from rljob_operator.servers import MultiNode, multi_node_command, server_argv, server_env
+from rljob_operator.servers import multi_node_command, server_argv, server_env
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
 from treetrain.config.load import value_problem
@@ -529,12 +529,9 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
     selector = {LABEL_RLJOB: plan.name, LABEL_COMPONENT: "rollout", LABEL_ENGINE: name}
     gang_labels, gang_annotations = _gang(plan)
     ppi = comp.pods.pods_per_instance
-    multi = MultiNode(nnodes=ppi, rank_var="RANK", leader_var="LEADER") if ppi > 1 else None
-    argv = server_argv(
-        comp.allocation, model=_model_path(spec), port=engine.port, extra_args=engine.server_args, multi_node=multi
-    )
+    argv = server_argv(comp.allocation, model=_model_path(spec), port=engine.port, extra_args=engine.server_args)
     env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
-    if multi is not None:
+    if ppi > 1:
         env.append(
             {
                 "name": "POD_INDEX",

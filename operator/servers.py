@@ -8,8 +8,7 @@ argparse prefix, and ``--pp`` is ambiguous there.
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass
+import re
 
 from treetrain.alloc import Allocation
 
@@ -17,19 +16,9 @@ SGLANG_DIST_PORT = 20000
 VLLM_MASTER_PORT = 29501
 
 
-@dataclass(frozen=True, slots=True)
-class MultiNode:
-    """One instance spread over several pods; rank and leader are known only in the pod."""
-
-    nnodes: int
-    rank_var: str  # shell variable holding this pod's rank inside its instance
-    leader_var: str  # shell variable holding the instance leader's DNS name
-
-
-def server_argv(
-    allocation: Allocation, *, model: str, port: int, extra_args: list[str], multi_node: MultiNode | None = None
-) -> list[str]:
-    """The server's argv for one pod of one instance."""
+def server_argv(allocation: Allocation, *, model: str, port: int, extra_args: list[str]) -> list[str]:
+    """The server's argv for one instance (a multi-pod instance adds its node flags in the pod:
+    :func:`multi_node_command`)."""
     tp, pp = allocation.dims.tp, allocation.dims.pp
     if allocation.backend == "sglang":
         argv = [
@@ -42,12 +31,6 @@ def server_argv(
             "--dp-size", "1",
             "--enable-metrics",
         ]  # fmt: skip
-        if multi_node is not None:
-            argv += [
-                "--nnodes", str(multi_node.nnodes),
-                "--node-rank", f"${multi_node.rank_var}",
-                "--dist-init-addr", f"${multi_node.leader_var}:{SGLANG_DIST_PORT}",
-            ]  # fmt: skip
     elif allocation.backend == "vllm":
         argv = [
             "vllm", "serve", model,
@@ -56,13 +39,6 @@ def server_argv(
             "--tensor-parallel-size", str(tp),
             "--pipeline-parallel-size", str(pp),
         ]  # fmt: skip
-        if multi_node is not None:
-            argv += [
-                "--nnodes", str(multi_node.nnodes),
-                "--node-rank", f"${multi_node.rank_var}",
-                "--master-addr", f"${multi_node.leader_var}",
-                "--master-port", str(VLLM_MASTER_PORT),
-            ]  # fmt: skip
     else:
         raise ValueError(f"{allocation.backend} is not a rollout server backend")
     return argv + list(extra_args)
@@ -82,23 +58,23 @@ def server_env(backend: str) -> list[dict[str, object]]:
 
 
 def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int, leader_dns: str) -> list[str]:
-    """Wrap ``argv`` for instances of several pods: each pod derives its rank in the
-    instance and the leader's DNS name from its StatefulSet ordinal (``$POD_INDEX``).
+    """Wrap ``argv`` for instances of several pods: each pod derives its rank in the instance
+    and the leader's DNS name from its StatefulSet ordinal (``$POD_INDEX``), then adds the node
+    flags.
 
-    ``leader_dns`` contains ``{ordinal}``, e.g. ``job-rollout-{ordinal}.job-rollout.ns.svc``.
+    The server's argv (model path, user ``serverArgs``) is passed to the shell as arguments
+    (``"$@"``), never pasted into the script: nothing a user writes is evaluated by the shell.
+    ``leader_dns`` contains ``{ordinal}``, e.g. ``job-rollout-{ordinal}.job-rollout.ns.svc``;
+    it is built from names the planner validated as DNS labels.
     """
+    if not re.fullmatch(r"[a-z0-9.{}-]+", leader_dns):
+        raise ValueError(f"leader DNS name {leader_dns!r} is not a plain DNS name")
     leader = leader_dns.format(ordinal="$((POD_INDEX - RANK))")
     script = f'RANK=$((POD_INDEX % {pods_per_instance})); LEADER="{leader}"; '
     if backend == "vllm":
+        nodes = f'--nnodes {pods_per_instance} --node-rank "$RANK" --master-addr "$LEADER" --master-port {VLLM_MASTER_PORT}'
         # vLLM's non-leader nodes run workers only, with no API server.
-        script += 'if [ "$RANK" -ne 0 ]; then set -- --headless; else set --; fi; '
+        script += f'if [ "$RANK" -ne 0 ]; then exec "$@" {nodes} --headless; fi; exec "$@" {nodes}'
     else:
-        script += "set --; "
-    script += "exec " + " ".join(_sh(arg) for arg in argv) + ' "$@"'
-    return ["/bin/sh", "-c", script]
-
-
-def _sh(arg: str) -> str:
-    if arg.startswith("$"):
-        return f'"{arg}"'  # a shell variable reference: expand it
-    return shlex.quote(arg)
+        script += f'exec "$@" --nnodes {pods_per_instance} --node-rank "$RANK" --dist-init-addr "$LEADER:{SGLANG_DIST_PORT}"'
+    return ["/bin/sh", "-c", script, "rollout-server", *argv]

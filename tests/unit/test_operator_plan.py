@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +143,8 @@ def test_multi_node_instances() -> None:
     assert container["command"][:2] == ["/bin/sh", "-c"]
     script = container["command"][2]
     assert 'RANK=$((POD_INDEX % 2)); LEADER="job-rollout-$((POD_INDEX - RANK)).job-rollout.ml.svc"' in script
-    assert '--nnodes 2 --node-rank "$RANK" --dist-init-addr "$LEADER:20000"' in script
+    assert 'exec "$@" --nnodes 2 --node-rank "$RANK" --dist-init-addr "$LEADER:20000"' in script
+    assert container["command"][4:7] == ["python3", "-m", "sglang.launch_server"]  # the argv: arguments, not script
     # The trainer talks only to instance leaders (ordinals 0 and 2).
     assert rollout_servers(p) == [
         ("http://job-rollout-0.job-rollout.ml.svc:30000", "sglang"),
@@ -151,8 +155,33 @@ def test_multi_node_instances() -> None:
 def test_vllm_multi_node_workers_are_headless() -> None:
     argv = server_argv(parse("vllm:t16"), model="m", port=8000, extra_args=[])
     script = multi_node_command(argv, backend="vllm", pods_per_instance=2, leader_dns="x-{ordinal}.x.ns.svc")[2]
-    assert 'if [ "$RANK" -ne 0 ]; then set -- --headless; else set --; fi;' in script
-    assert script.endswith('"$@"')
+    assert 'if [ "$RANK" -ne 0 ]; then exec "$@" --nnodes 2 --node-rank "$RANK"' in script and "--headless" in script
+
+
+NASTY = ["$(touch {canary})", "`touch {canary}`", 'a"b', "it's", "$HOME", "a b\tc", "\n;touch {canary}", "--x=$((1+1))"]
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+@pytest.mark.parametrize("pod_index", ["0", "3"])
+def test_user_strings_reach_the_server_byte_for_byte_and_run_nothing(
+    tmp_path: Path, backend: str, pod_index: str
+) -> None:
+    """The multi-pod wrapper runs through the real /bin/sh with a stand-in server that prints its
+    argv: the model path and every serverArgs entry arrive unchanged, and nothing executes."""
+    canary = tmp_path / "executed"
+    nasty = [n.format(canary=canary) for n in NASTY]
+    p = plan(manifest(rollout={"backend": f"{backend}:d2t16", "serverArgs": nasty[1:]}, model={"path": nasty[0]}))
+    sts = by_kind(p.objects)[("StatefulSet", "job-rollout")]
+    command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    program = 2 + 2  # /bin/sh -c SCRIPT $0, then the server argv
+    server = 3 if backend == "sglang" else 2  # python3 -m sglang.launch_server | vllm serve
+    stand_in = [sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))"]
+    run = [*command[:program], *stand_in, *command[program + server :]]
+    out = subprocess.run(run, capture_output=True, text=True, env={"POD_INDEX": pod_index, "PATH": "/usr/bin:/bin"},
+                         check=True, timeout=60)  # fmt: skip
+    argv = json.loads(out.stdout)
+    assert nasty[0] in argv and all(arg in argv for arg in nasty[1:]), argv
+    assert not canary.exists()
 
 
 def test_gang_and_kueue_pod_group() -> None:
