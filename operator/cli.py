@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     o.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
     o.add_argument("--liveness-port", type=int, default=8081, help="liveness endpoint /healthz port (0 disables)")
-    o.add_argument("--bind", default="0.0.0.0", help="address for the metrics and liveness listeners")
+    o.add_argument(
+        "--bind",
+        default=None,
+        help="address for the metrics and liveness listeners (default: all interfaces inside a pod, "
+        "where Prometheus and the kubelet reach the pod IP; loopback elsewhere)",
+    )
     o.set_defaults(func=_operator)
     return parser
 
@@ -101,11 +107,19 @@ def _crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_bind(env: Mapping[str, str]) -> str:
+    """All interfaces in a pod (the kubelet and Prometheus dial the pod IP), loopback elsewhere."""
+    return "0.0.0.0" if env.get("KUBERNETES_SERVICE_HOST") else "127.0.0.1"
+
+
 def _operator(args: argparse.Namespace) -> int:
     from rljob_operator.runner import run_operator
 
     code: int = run_operator(
-        namespaces=args.namespace, metrics_port=args.metrics_port, liveness_port=args.liveness_port, bind=args.bind
+        namespaces=args.namespace,
+        metrics_port=args.metrics_port,
+        liveness_port=args.liveness_port,
+        bind=args.bind or default_bind(os.environ),
     )
     return code
 

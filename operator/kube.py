@@ -19,6 +19,9 @@ from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
 
 FIELD_MANAGER = MANAGED_BY
+# (connect, read) seconds: a frozen API server must not pin the reconcile workers for ever;
+# a timed-out call is retried by the work queue like any other failed reconcile.
+REQUEST_TIMEOUT = (5.0, 30.0)
 
 # kind -> (API prefix, plural)
 _PATHS = {
@@ -99,7 +102,7 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
-        response = self.client.call_api(*params)
+        response = self.client.call_api(*params, _request_timeout=REQUEST_TIMEOUT)
         response.read()  # type: ignore[no-untyped-call]
         if not 200 <= response.status < 300:
             if response.status == 409:

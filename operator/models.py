@@ -23,6 +23,8 @@ SHORT_NAME = "rlj"
 DEFAULT_TRAINER_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 
+MAX_TTL_SECONDS = 10 * 366 * 86400  # ten years: larger values overflow date arithmetic
+
 Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
 
@@ -175,7 +177,7 @@ class RLJobSpec(_Model):
     suspend: bool = Field(default=False, description="true removes the pods and keeps the RLJob; false resumes.")
     scheduling: Scheduling = Field(default_factory=Scheduling)
     ttl_seconds_after_finished: int | None = Field(
-        default=None, ge=0, description="Delete the RLJob this long after it succeeds or fails."
+        default=None, ge=0, le=MAX_TTL_SECONDS, description="Delete the RLJob this long after it succeeds or fails."
     )
     master_port: int = Field(default=29500, ge=1, le=65535, description="torchrun rendezvous port.")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rljob_operator.models import RLJobStatus
+from rljob_operator.models import MAX_TTL_SECONDS, RLJobStatus
 from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Component, Plan, PlanError, plan, trainer_job_name
 
 BACKOFF_MAX_SECONDS = 300.0
@@ -270,7 +270,8 @@ def _finish(decision: Decision, observed: Observed, now: datetime, spec: dict[st
     done = parse_time(decision.status.get("completionTime"))
     if ttl is None or done is None:
         return
-    left = (done + timedelta(seconds=int(ttl)) - now).total_seconds()
+    # An object stored before the schema bounded the TTL may hold a huge one: clamp, never overflow.
+    left = (done - now).total_seconds() + min(float(ttl), MAX_TTL_SECONDS)
     if left <= 0:
         decision.delete_self = True
     else:

@@ -72,9 +72,13 @@ def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int,
     leader = leader_dns.format(ordinal="$((POD_INDEX - RANK))")
     script = f'RANK=$((POD_INDEX % {pods_per_instance})); LEADER="{leader}"; '
     if backend == "vllm":
-        nodes = f'--nnodes {pods_per_instance} --node-rank "$RANK" --master-addr "$LEADER" --master-port {VLLM_MASTER_PORT}'
+        nodes = (
+            f'--nnodes {pods_per_instance} --node-rank "$RANK" --master-addr "$LEADER" --master-port {VLLM_MASTER_PORT}'
+        )
         # vLLM's non-leader nodes run workers only, with no API server.
         script += f'if [ "$RANK" -ne 0 ]; then exec "$@" {nodes} --headless; fi; exec "$@" {nodes}'
     else:
-        script += f'exec "$@" --nnodes {pods_per_instance} --node-rank "$RANK" --dist-init-addr "$LEADER:{SGLANG_DIST_PORT}"'
+        script += (
+            f'exec "$@" --nnodes {pods_per_instance} --node-rank "$RANK" --dist-init-addr "$LEADER:{SGLANG_DIST_PORT}"'
+        )
     return ["/bin/sh", "-c", script, "rollout-server", *argv]

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from rljob_operator.handlers import merge_patch
@@ -180,3 +181,15 @@ def test_merge_patch_removes_stale_keys() -> None:
     new = {"phase": "Failed", "allocation": {"actor": {"gpus": 8}}}
     assert merge_patch(old, new) == {"phase": "Failed", "message": None,
                                      "allocation": {"actor": {"gpus": 8}, "critic": None}}  # fmt: skip
+
+
+def test_a_huge_ttl_is_refused_at_admission_and_never_overflows() -> None:
+    from rljob_operator.plan import PlanError, plan
+
+    with pytest.raises(PlanError, match=r"spec\.ttlSecondsAfterFinished"):
+        plan(rljob(ttlSecondsAfterFinished=10**14))
+    # One stored before the bound existed is judged at once, never an OverflowError.
+    done = decide(rljob(ttlSecondsAfterFinished=60), Observed(jobs=[job("demo-trainer", "Complete")]), NOW)
+    for ttl in (10**14, 10**30):
+        later = decide(rljob(status=done.status, ttlSecondsAfterFinished=ttl), Observed(), NOW + timedelta(days=1))
+        assert not later.delete_self

@@ -1,0 +1,48 @@
+"""The operator's API client layer (operator/kube.py) and listener defaults, without a cluster:
+a fake client records what would be sent (no API server runs here)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljob_operator.cli import default_bind
+from rljob_operator.kube import REQUEST_TIMEOUT, Kube
+
+
+class _Response:
+    status = 200
+    reason = "OK"
+    data = b'{"items": []}'
+
+    def read(self) -> None:
+        pass
+
+
+class _FakeClient:
+    """Stands in for kubernetes.client.ApiClient: records every call's keyword arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def param_serialize(self, method: str, path: str, **kwargs: Any) -> tuple[Any, ...]:
+        return (method, path, kwargs.get("header_params"), kwargs.get("body"), None)
+
+    def call_api(self, *args: Any, **kwargs: Any) -> _Response:
+        self.calls.append(kwargs)
+        return _Response()
+
+
+def test_every_api_call_has_a_timeout() -> None:
+    # A frozen API server once pinned every reconcile worker: no call may wait for ever.
+    client = _FakeClient()
+    kube = Kube(client)  # type: ignore[arg-type]
+    kube.children("Pod", "ml", "demo")
+    kube.get("RLJob", "ml", "demo")
+    assert client.calls and all(c.get("_request_timeout") == REQUEST_TIMEOUT for c in client.calls)
+    connect, read = REQUEST_TIMEOUT
+    assert 0 < connect <= 10 and 0 < read <= 60
+
+
+def test_listeners_bind_loopback_outside_a_pod() -> None:
+    assert default_bind({}) == "127.0.0.1"
+    assert default_bind({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == "0.0.0.0"
