@@ -119,7 +119,11 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
         decision.delete = [(o["kind"], o["metadata"]["name"]) for o in (*observed.jobs, *observed.statefulsets)]
         return _with_events(decision, old)
 
-    status["allocation"] = {name: c.status().model_dump(by_alias=True) for name, c in desired.components.items()}
+    # exclude_none: the API server drops nulls, so a null here would differ from what is stored
+    # and cost a no-op status PATCH on every pass.
+    status["allocation"] = {
+        name: c.status().model_dump(by_alias=True, exclude_none=True) for name, c in desired.components.items()
+    }
     status["gpus"] = desired.total_gpus
     cond.set("Valid", True, "Planned", _describe(desired))
     if _invalid(old):
@@ -168,9 +172,11 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
 
     # Create or update everything of the current gang at once (rollout servers and trainers).
     wait = _backoff_left(old, restarts, now, desired.spec.restart_backoff_seconds)
+    existing = {o["metadata"]["name"] for o in observed.jobs}
     for obj in desired.objects:
         if obj["kind"] == "Job":
-            if wait > 0 or obj["metadata"]["name"] in stale:
+            # Read before create: a Job that exists is left alone (no POST answered 409 per pass).
+            if wait > 0 or obj["metadata"]["name"] in stale or obj["metadata"]["name"] in existing:
                 continue
             decision.create_only.append(obj)
         else:

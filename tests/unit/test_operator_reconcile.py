@@ -193,3 +193,25 @@ def test_a_huge_ttl_is_refused_at_admission_and_never_overflows() -> None:
     for ttl in (10**14, 10**30):
         later = decide(rljob(status=done.status, ttlSecondsAfterFinished=ttl), Observed(), NOW + timedelta(days=1))
         assert not later.delete_self
+
+
+def _stored(value: Any) -> Any:
+    """What the API server keeps of a status written as a merge patch: nulls delete keys."""
+    if isinstance(value, dict):
+        return {k: _stored(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_stored(v) for v in value]
+    return value
+
+
+def test_a_steady_state_sends_nothing() -> None:
+    # Idle RLJobs cost about 65 API requests/s: a no-op status PATCH per pass (colocatedWith null
+    # vs absent) and a Job POST answered 409 per pass. A steady state must cost nothing.
+    observed = Observed(jobs=[job("demo-trainer")], pods=running_pods())
+    for spec in ({}, {"critic": {}, "trainerConfig": {"algorithm": "ppo"}}):
+        first = decide(rljob(**spec), observed, NOW)
+        stored = _stored(first.status)
+        again = decide(rljob(status=stored, **spec), observed, NOW + timedelta(seconds=30))
+        assert again.status == stored, "the controller would PATCH an unchanged status"
+        assert again.create_only == [], "the controller would POST a Job that exists"
+        assert again.events == []
