@@ -125,3 +125,18 @@ def test_rljob_help_lists_its_commands() -> None:
     out = subprocess.run([str(BIN / "rljob"), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert all(command in out.stdout for command in ("plan", "crd", "operator"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("fsdp:d" + "9" * 4301, "is larger than any cluster; fix: sizes are at most 65536"),  # past int()'s digit limit
+        ("sglang:d1000000", "size d1000000 is larger than any cluster"),
+        ("fsdp:d1024t1024p2", "world size 2097152 (d*t*p*c) is larger than any cluster"),
+    ],
+)
+def test_sizes_no_cluster_has_are_one_line_errors(spec: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["alloc", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1 and len(err) < 300  # a long input is shortened, not echoed whole

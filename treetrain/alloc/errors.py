@@ -34,7 +34,7 @@ class AllocationError(ValueError):
     def __str__(self) -> str:
         where = ""
         if self.spec is not None:
-            where = f"{self.spec!r}"
+            where = repr(shorten(self.spec))
             if self.column is not None:
                 where += f", column {self.column}"
             where += ": "
@@ -45,6 +45,11 @@ class AllocationError(ValueError):
         self.spec, self.column = spec, column
         self.args = (str(self),)
         return self
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """A long input quoted in one readable line (the column still counts in the whole string)."""
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 class AllocationSyntaxError(AllocationError):

@@ -33,6 +33,10 @@ BACKEND_LETTERS: dict[str, str] = {
     "archon": "dtpce",
 }
 HYBRID_BACKENDS = ("megatron", "archon")
+# Bounds that no cluster reaches: they keep a typo (d1000000) or a hostile string from planning
+# millions of pods, and every size within what Python parses without a digit limit.
+MAX_SIZE = 65536
+MAX_WORLD_SIZE = 1 << 20
 ATTN_LETTERS = "dtpc"
 FFN_LETTERS = "dtpe"
 
@@ -71,6 +75,18 @@ class ParallelDims:
                     fix="sizes start at 1; leave a dimension out to mean 1",
                     field=name,
                 )
+            if value > MAX_SIZE:
+                raise AllocationValidationError(
+                    f"{FIELD_NAME[name]} size {value} is larger than any cluster",
+                    fix=f"sizes are at most {MAX_SIZE}",
+                    field=name,
+                )
+        if self.world_size > MAX_WORLD_SIZE:
+            raise AllocationValidationError(
+                f"world size {self.world_size} (d*t*p*c) is larger than any cluster",
+                fix=f"the world size is at most {MAX_WORLD_SIZE} GPUs",
+                field="dp",
+            )
 
     @property
     def world_size(self) -> int:

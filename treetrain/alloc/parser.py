@@ -21,6 +21,7 @@ from treetrain.alloc.errors import (
     AllocationValidationError,
     LegacySpecError,
     MissingBackendError,
+    shorten,
 )
 from treetrain.alloc.model import (
     ATTN_LETTERS,
@@ -30,6 +31,7 @@ from treetrain.alloc.model import (
     FIELD_NAME,
     INFERENCE_BACKENDS,
     LETTER_FIELD,
+    MAX_SIZE,
     Allocation,
     ParallelDims,
 )
@@ -211,6 +213,12 @@ def _dims(spec: str, node: Tree[Token], letters: str, backend: str | None) -> tu
                 f"{letter} is given twice (columns {columns[field]} and {col})",
                 fix=f"write each dimension once, e.g. keep {letter}{sizes[field]} or {tok}",
             ).located(spec, col)
+        if len(digits) > len(str(MAX_SIZE)) or int(digits) > MAX_SIZE:
+            raise AllocationValidationError(
+                f"size {shorten(str(tok), 12)} is larger than any cluster",
+                fix=f"sizes are at most {MAX_SIZE}",
+                field=field,
+            ).located(spec, col + 1)
         sizes[field] = int(digits)
         columns[field] = col
     return sizes, columns
