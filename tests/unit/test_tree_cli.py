@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from treetrain.cli import build_parser, main
 
@@ -89,3 +91,56 @@ def test_bad_input_exits_2(
 def test_missing_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["pack-stats", "/nonexistent/x.jsonl", "--max-tokens", "128"]) == 2
     assert "No such file" in capsys.readouterr().err
+
+
+HOSTILE = [
+    (b"[1, 2, \xff\xfe]\n", ":1: not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000 + b"\n", ":1: JSON nested too deeply"),
+    (b"[1, " + b"7" * 5000 + b"]\n", ":1: not JSON (Exceeds the limit (4300 digits) for integer string conversion"),
+    (b"[1, -3, 4]\n", ":1: token 1 is -3; token ids are 0..2147483647"),
+    (b"[1, 4294967296]\n", ":1: token 1 is 4294967296"),
+    (b"[1, 2.5]\n", ':1: expected a JSON list of token ids or an object with "input_ids"'),
+    (b"[1, true]\n", ':1: expected a JSON list of token ids or an object with "input_ids"'),
+    (b"[1, 2]\n" + b" " * (17 << 20) + b"\n", ":2: line longer than 16 MiB"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), HOSTILE, ids=[m.split(": ", 1)[-1][:24] for _, m in HOSTILE])
+def test_hostile_input_is_one_line_with_the_line_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], data: bytes, message: str
+) -> None:
+    path = tmp_path / "hostile.jsonl"
+    path.write_bytes(data)
+    assert main(["pack-stats", str(path), "--max-tokens", "128"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err[:300]
+
+
+def test_endless_input_is_refused_not_swallowed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pack-stats", "/dev/zero", "--max-tokens", "128"]) == 2
+    assert "/dev/zero:1: line longer than 16 MiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--dp", "10000"), ("--dp", "0"), ("--block-size", "1000000")])
+def test_sizes_out_of_range_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    # --dp 10000 took 45 s for two sequences
+    path = _write(tmp_path, ["[1, 2]"])
+    assert main(["pack-stats", path, "--max-tokens", "128", flag, value]) == 2
+    assert f"{flag} must be in 1.." in capsys.readouterr().err
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(max_size=64) | st.sampled_from([b"[1, 2, 3]", b'{"input_ids": [4, 5]}', b"[]"]), max_size=6))
+def test_any_input_packs_or_is_one_line_of_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lines: list[bytes]
+) -> None:
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    code = main(["pack-stats", str(path), "--max-tokens", "128", "--json"])
+    out, err = capsys.readouterr()
+    if code == 0:
+        assert json.loads(out)["sequences"] >= 1
+    else:
+        assert code == 2 and err.startswith("treetrain pack-stats: error:") and len(err.splitlines()) == 1, err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from typing import Any
@@ -35,6 +36,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, value, limit in (("--dp", args.dp, MAX_DP), ("--block-size", args.block_size, MAX_BLOCK_SIZE)):
+        if not 1 <= value <= limit:
+            print(f"treetrain pack-stats: error: {flag} must be in 1..{limit}, got {value}", file=sys.stderr)
+            return 2
     try:
         sequences = read_jsonl(args.file)
         config = PackConfig(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, dp_size=args.dp)
@@ -64,25 +69,54 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+# Bounds on hostile input: a line holds one sequence (a million tokens fit in 16 MiB), token
+# ids fit in 32 bits, and ranks are at most what any cluster has.
+MAX_LINE_BYTES = 16 << 20
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_DP = 4096
+MAX_BLOCK_SIZE = 65536
+
+
 def read_jsonl(path: str) -> list[list[int]]:
-    """Token sequences from a JSONL file; a bad line raises ``PackingError`` naming it."""
-    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    """Token sequences from a JSONL file; a bad line raises ``PackingError`` naming it.
+
+    Memory stays bounded by the file's sequences: a line is read at most ``MAX_LINE_BYTES`` at a
+    time (``/dev/zero`` or one huge line is refused, not swallowed), and every failure of the
+    JSON reader (bad UTF-8, deep nesting, numbers past Python's digit limit) is one line."""
+    stream = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
     sequences: list[list[int]] = []
     with stream:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PackingError(f"{path}:{lineno}: not JSON ({err.msg})") from None
-            if isinstance(value, dict):
-                value = value.get("input_ids")
-            if not isinstance(value, list) or not all(type(t) is int for t in value):
+        for lineno in itertools.count(1):
+            raw = stream.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            if len(raw) > MAX_LINE_BYTES:
                 raise PackingError(
-                    f'{path}:{lineno}: expected a JSON list of token ids or an object with "input_ids": [...]'
+                    f"{path}:{lineno}: line longer than {MAX_LINE_BYTES >> 20} MiB; one sequence per line"
                 )
-            sequences.append(value)
+            if raw.strip():
+                sequences.append(_sequence(raw, f"{path}:{lineno}"))
     if not sequences:
         raise PackingError(f"{path}: no sequences")
     return sequences
+
+
+def _sequence(raw: bytes, where: str) -> list[int]:
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise PackingError(f"{where}: not UTF-8 (byte {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise PackingError(f"{where}: not JSON ({err.msg})") from None
+    except RecursionError:
+        raise PackingError(f"{where}: JSON nested too deeply; expected a flat list of token ids") from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise PackingError(f"{where}: not JSON ({str(err).split(':')[0]})") from None
+    if isinstance(value, dict):
+        value = value.get("input_ids")
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise PackingError(f'{where}: expected a JSON list of token ids or an object with "input_ids": [...]')
+    bad = next((i for i, t in enumerate(value) if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise PackingError(f"{where}: token {bad} is {value[bad]}; token ids are 0..{MAX_TOKEN_ID}")
+    return value
