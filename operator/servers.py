@@ -57,6 +57,20 @@ def server_env(backend: str) -> list[dict[str, object]]:
     return [{"name": "VLLM_HOST_IP", **pod_ip}]
 
 
+# Our vLLM worker extension (treetrain/rl/vllm_worker.py, in the trainer image that also runs the
+# servers): the workers join the trainer's weight-update group and receive the broadcast buckets.
+VLLM_WORKER_EXTENSION = "treetrain.rl.vllm_worker.WeightSyncExtension"
+
+
+def vllm_weight_sync(method: str) -> tuple[list[str], list[dict[str, object]]]:
+    """(flags, env) a vLLM server needs for the trainer's weight sync: dev mode for ``/pause``,
+    ``/resume`` and ``/collective_rpc`` (404 without it), and for distributed sync our worker
+    extension, whose methods ``/collective_rpc`` calls."""
+    env: list[dict[str, object]] = [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]
+    flags = ["--worker-extension-cls", VLLM_WORKER_EXTENSION] if method == "distributed" else []
+    return flags, env
+
+
 def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int, leader_dns: str) -> list[str]:
     """Wrap ``argv`` for instances of several pods: each pod derives its rank in the instance
     and the leader's DNS name from its StatefulSet ordinal (``$POD_INDEX``), then adds the node

@@ -222,9 +222,26 @@ def test_example_runs_then_succeeds(cluster: Cluster, namespace: str, operator: 
     # ConfigMap (as the API server stored the RLJob, defaults filled in) without a complaint.
     cm = client.CoreV1Api(cluster.api).read_namespaced_config_map("demo-config", namespace)
     config = validate(read_yaml(cm.data["config.yaml"], "config.yaml"))
-    assert [(s.url, s.kind) for s in config.rollout.servers] == [
-        (f"http://demo-rollout-{i}.demo-rollout.{namespace}.svc:30000", "sglang") for i in range(2)
+    assert [(s.url, s.kind, s.gpus) for s in config.rollout.servers] == [
+        (f"http://demo-rollout-{i}.demo-rollout.{namespace}.svc:30000", "sglang", 4) for i in range(2)
     ]
+    # Weights go by distributed broadcast (no shared storage): the rendezvous is trainer pod 0, on a
+    # port of the trainer's headless Service, and the rollout pods say their side of it.
+    sync = config.rollout.weight_sync
+    assert (sync.method, sync.master_address, sync.master_port) == (
+        "distributed",
+        f"demo-trainer-0.demo-trainer.{namespace}.svc",
+        29600,
+    )
+    service = client.CoreV1Api(cluster.api).read_namespaced_service("demo-trainer", namespace)
+    assert ("weight-sync", 29600) in [(p.name, p.port) for p in service.spec.ports]
+    notes = sts.spec.template.metadata.annotations
+    assert notes["treetrain.dev/weight-sync-rendezvous"] == f"{sync.master_address}:29600"
+    assert (notes["treetrain.dev/weight-sync-world-size"], notes["treetrain.dev/weight-sync-ranks"]) == ("9", "1-8")
+    # No checkpoint volume: said in the status and once as an event.
+    ephemeral = cond(status, "CheckpointsEphemeral")
+    assert (ephemeral["status"], ephemeral["reason"]) == ("True", "NoCheckpointVolume")
+    assert events(cluster, namespace, "demo").count("NoCheckpointVolume") == 1
 
     label_pods(cluster, namespace, trainer_selector("demo"), SUCCEED)
     status = wait_for("demo Succeeded", phase_is(cluster, namespace, "demo", "Succeeded"))
@@ -245,6 +262,11 @@ def test_trainer_failure_restarts_then_fails(cluster: Cluster, namespace: str, o
     wait_for("flaky restarted and Running again", restarted)
     jobs = client.BatchV1Api(cluster.api).list_namespaced_job(namespace).items
     assert [j.metadata.name for j in jobs] == ["flaky-trainer-r1"]
+    # No checkpoint volume: the new gang starts over, and says so; its rank 0 is the new rendezvous.
+    assert "starting from step 0" in get(cluster, namespace, "flaky")["status"]["message"]
+    cm = client.CoreV1Api(cluster.api).read_namespaced_config_map("flaky-config", namespace)
+    config = validate(read_yaml(cm.data["config.yaml"], "config.yaml"))
+    assert config.rollout.weight_sync.master_address == f"flaky-trainer-r1-0.flaky-trainer.{namespace}.svc"
     assert len(pods(cluster, namespace, trainer_selector("flaky", 1))) == 1
 
     label_pods(cluster, namespace, trainer_selector("flaky", 1), FAIL)
@@ -254,6 +276,63 @@ def test_trainer_failure_restarts_then_fails(cluster: Cluster, namespace: str, o
     assert "exited with 1" in status["message"]
     assert cond(status, "Failed")["reason"] == "TrainerFailed"
     assert "TrainerFailed" in events(cluster, namespace, "flaky")
+
+
+def test_disk_weight_sync_mounts_a_shared_claim_in_vllm_rollout_pods(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    """Disk sync with a ReadWriteMany claim: the rollout pods mount it at the trainer's path, and vLLM
+    pods run in dev mode (pause and collective_rpc); the checkpoints outlive the pod."""
+    core = client.CoreV1Api(cluster.api)
+    pv = f"{namespace}-ckpt"
+    core.create_persistent_volume(
+        {
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "manual",
+                "hostPath": {"path": f"/tmp/{pv}"},  # never mounted: the nodes are simulated
+                "claimRef": {"namespace": namespace, "name": "ckpt"},
+            },
+        }
+    )
+    try:
+        core.create_namespaced_persistent_volume_claim(
+            namespace,
+            {
+                "metadata": {"name": "ckpt"},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "manual",
+                    "volumeName": pv,
+                    "resources": {"requests": {"storage": "1Gi"}},
+                },
+            },
+        )
+        spec = {
+            "rollout": {"backend": "vllm:d2t4"},
+            "weightSync": {"method": "disk"},
+            "checkpoint": {"volume": {"claimName": "ckpt"}},
+        }
+        create(cluster, namespace, rljob("disk", **spec))
+        status = wait_for("disk Running", phase_is(cluster, namespace, "disk", "Running"))
+        assert cond(status, "CheckpointsEphemeral")["status"] == "False"
+        rollout = pods(cluster, namespace, "treetrain.dev/rljob=disk,treetrain.dev/component=rollout")
+        assert len(rollout) == 2
+        for pod in rollout:
+            claims = {v.name: v.persistent_volume_claim for v in pod.spec.volumes}
+            assert claims["checkpoints"].claim_name == "ckpt"
+            (server,) = pod.spec.containers
+            assert ("checkpoints", "/checkpoints", True) in [
+                (m.name, m.mount_path, m.read_only) for m in server.volume_mounts
+            ]
+            assert {e.name: e.value for e in server.env}["VLLM_SERVER_DEV_MODE"] == "1"
+        cm = core.read_namespaced_config_map("disk-config", namespace)
+        assert validate(read_yaml(cm.data["config.yaml"], "config.yaml")).rollout.weight_sync.method == "disk"
+        assert "NoCheckpointVolume" not in events(cluster, namespace, "disk")
+    finally:
+        core.delete_persistent_volume(pv)
 
 
 def test_oversized_job_reports_unschedulable(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
@@ -302,7 +381,8 @@ TRAINER_MISTAKES = [
      "spec.trainerConfig.lr: unknown key; did you mean spec.trainerConfig.optimizer.lr?"),
     ("unaligned", {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
      "spec.actor.treeTraining.maxTokensPerMicrobatch: 1000 must be a multiple of 128"),
-    ("noengine", {"actor": {"backend": "megatron:d8"}}, "spec.actor.backend: the megatron engine is not built yet"),
+    ("noengine", {"actor": {"backend": "fsdp:c2d4"}},
+     "spec.actor.backend: context parallelism is not supported by the FSDP engine"),
     ("notask", {"trainerConfig": {"task": "builtin:chess"}}, "spec.trainerConfig.task: unknown built-in task"),
 ]  # fmt: skip
 

@@ -63,7 +63,7 @@ def test_every_problem_at_once_even_across_broken_sections() -> None:
     # The actor's tree section is broken (a bad attention name), yet its backend is still
     # judged; the trainer section has a typo, yet its task is still checked.
     raw = minimal(
-        actor={"backend": "megatron:d8", "treeTraining": {"attention": "flash"}},
+        actor={"backend": "fsdp:c2d4", "treeTraining": {"attention": "flash"}},
         trainer={"lr": 1, "task": "builtin:chess"},
     )
     assert set(problems(raw)) == {
@@ -102,8 +102,7 @@ def test_launch_facts_come_from_the_environment() -> None:
 def test_engine_support_is_one_table() -> None:
     assert C.check_training_backend("fsdp:d2t2").world_size == 4
     for backend, phrase in [
-        ("megatron:d2", "not built yet"),
-        ("archon:(attn:d2|ffn:e2)", "not built yet"),
+        ("fsdp:c2d4", "context parallelism is not supported by the FSDP engine"),
         ("fsdp:c2", "context parallelism"),
         ("vllm:d2", "inference backend"),
     ]:
@@ -189,7 +188,7 @@ MISTAKES = {
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000}}},
     ),
-    "engine not built": ({"actor": {"backend": "megatron:d8"}}, {"actor": {"backend": "megatron:d8"}}),
+    "engine cannot run it": ({"actor": {"backend": "fsdp:d4c2"}}, {"actor": {"backend": "fsdp:d4c2"}}),
     "unknown attention backend": (
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},

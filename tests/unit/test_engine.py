@@ -92,14 +92,7 @@ def test_forward_equals_tree_logprobs_on_a_branching_batch(monkeypatch: pytest.M
 @pytest.mark.parametrize(
     ("backend", "message"),
     [
-        (
-            "megatron:d1",
-            "the megatron engine is not built yet in this release; use the FSDP engine on the same GPUs: fsdp:d1",
-        ),
-        (
-            "archon:d1",
-            "the archon engine is not built yet in this release; use the FSDP engine on the same GPUs: fsdp:d1",
-        ),
+        ("fsdp:c2d4", "context parallelism is not supported by the FSDP engine yet (c2 in 'fsdp:d4c2')"),
         ("fsdp:c2", "context parallelism is not supported by the FSDP engine yet (c2 in 'fsdp:c2'); fix: "),
         ("fsdp:x2", "fsdp:x2"),
         ("fsdp:d2", "backend 'fsdp:d2' needs 2 processes but 1 were started; run torchrun --nproc-per-node 2"),

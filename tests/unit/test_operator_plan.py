@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from rljob_operator.models import RESERVED_ENGINE_NAMES
 from rljob_operator.plan import PlanError, plan, rollout_servers, trainer_config
 from rljob_operator.servers import multi_node_command, server_argv
 from treetrain.alloc import parse
@@ -105,7 +108,11 @@ def test_config_map_is_the_checked_trainer_config() -> None:
     assert config["actor"]["treeTraining"] == {
         "enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto", "blockSize": 128, "padToMaximum": False,
     }  # fmt: skip
-    assert config["rollout"]["servers"] == [{"url": u, "kind": k} for u, k in rollout_servers(p)]
+    assert config["rollout"]["servers"] == [{"url": u, "kind": k, "gpus": 4} for u, k in rollout_servers(p)]
+    assert config["rollout"]["weightSync"] == {
+        "method": "distributed", "masterAddress": "job-trainer-0.job-trainer.ml.svc", "masterPort": 29600,
+        "bucketMb": 512, "timeoutSeconds": 600.0,
+    }  # fmt: skip
     assert validate(config) == p.config  # the trainer reads back exactly what was planned
 
 
@@ -216,10 +223,99 @@ def test_each_rollout_server_has_its_engines_kind() -> None:
     mixed = plan(manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d1", "port": 8000}]))
     config = yaml.safe_load(by_kind(mixed.objects)[("ConfigMap", "job-config")]["data"]["config.yaml"])
     assert config["rollout"]["servers"] == [
-        {"url": "http://job-rollout-0.job-rollout.ml.svc:30000", "kind": "sglang"},
-        {"url": "http://job-rollout-1.job-rollout.ml.svc:30000", "kind": "sglang"},
-        {"url": "http://job-rollout-v-0.job-rollout-v.ml.svc:8000", "kind": "vllm"},
+        {"url": "http://job-rollout-0.job-rollout.ml.svc:30000", "kind": "sglang", "gpus": 4},
+        {"url": "http://job-rollout-1.job-rollout.ml.svc:30000", "kind": "sglang", "gpus": 4},
+        {"url": "http://job-rollout-v-0.job-rollout-v.ml.svc:8000", "kind": "vllm", "gpus": 1},
     ]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_distributed_weight_sync_is_wired_on_both_sides() -> None:
+    """The default: trainer rank 0 hosts the group's rendezvous on a port of the trainer's headless
+    Service; the config names it and every server's GPUs (its ranks), and the rollout pods say
+    their side; vLLM pods get dev mode and our worker extension."""
+    p = plan(manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d2t2", "port": 8000}]), restart=1)
+    objects = by_kind(p.objects)
+    config = yaml.safe_load(objects[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    rendezvous = "job-trainer-r1-0.job-trainer.ml.svc"  # pod 0 of this restart's Job
+    assert config["rollout"]["weightSync"]["masterAddress"] == rendezvous
+    assert [s["gpus"] for s in config["rollout"]["servers"]] == [4, 4, 2, 2]
+    assert p.weight_sync() == {
+        "method": "distributed", "rendezvous": f"{rendezvous}:29600", "world_size": 13,
+        "ranks": {"trainer": "0", "rollout": "1-8", "rollout-v": "9-12"},
+    }  # fmt: skip
+    service = objects[("Service", "job-trainer")]
+    assert {"name": "weight-sync", "port": 29600, "targetPort": 29600} in service["spec"]["ports"]
+    (trainer,) = objects[("Job", "job-trainer-r1")]["spec"]["template"]["spec"]["containers"]
+    assert {"name": "weight-sync", "containerPort": 29600} in trainer["ports"]
+    for sts, ranks in (("job-rollout", "1-8"), ("job-rollout-v", "9-12")):
+        template = objects[("StatefulSet", sts)]["spec"]["template"]
+        assert template["metadata"]["annotations"] == {
+            "treetrain.dev/weight-sync": "distributed",
+            "treetrain.dev/weight-sync-rendezvous": f"{rendezvous}:29600",
+            "treetrain.dev/weight-sync-world-size": "13",
+            "treetrain.dev/weight-sync-ranks": ranks,
+        }
+        assert "checkpoints" not in {v["name"] for v in template["spec"]["volumes"]}
+    (vllm,) = objects[("StatefulSet", "job-rollout-v")]["spec"]["template"]["spec"]["containers"]
+    assert _env(vllm)["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /resume, /collective_rpc answer 404 without it
+    assert vllm["command"][-2:] == ["--worker-extension-cls", "treetrain.rl.vllm_worker.WeightSyncExtension"]
+    (sglang,) = objects[("StatefulSet", "job-rollout")]["spec"]["template"]["spec"]["containers"]
+    assert "VLLM_SERVER_DEV_MODE" not in _env(sglang) and "--worker-extension-cls" not in sglang["command"]
+    assert validate(config) == p.config
+
+
+def test_disk_weight_sync_mounts_the_checkpoint_claim_in_rollout_pods() -> None:
+    p = plan(
+        manifest(
+            rollout={"backend": "vllm:d2t4"},
+            weightSync={"method": "disk"},
+            checkpoint={"volume": {"claimName": "shared-rwx"}},
+        )
+    )
+    objects = by_kind(p.objects)
+    config = yaml.safe_load(objects[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    assert config["rollout"]["weightSync"] == {"method": "disk"}
+    pod = objects[("StatefulSet", "job-rollout")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "shared-rwx"}
+    (server,) = pod["containers"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True} in server["volumeMounts"]
+    assert _env(server)["VLLM_SERVER_DEV_MODE"] == "1" and "--worker-extension-cls" not in server["command"]
+    (trainer,) = objects[("Job", "job-trainer")]["spec"]["template"]["spec"]["containers"]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints"} in trainer["volumeMounts"]  # the same path
+    assert "weight-sync" not in {port["name"] for port in trainer["ports"]}
+    assert p.weight_sync() == {"method": "disk", "dir": "/checkpoints/weights", "claim": "shared-rwx"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "path", "words"),
+    [
+        ({"weightSync": {"method": "disk"}}, "spec.weightSync.method", "set spec.checkpoint.volume.claimName to a "
+         "ReadWriteMany claim, or use method: distributed"),
+        ({"weightSync": {"method": "disk"}, "checkpoint": {"volume": {"claimName": "c", "readOnly": True}}},
+         "spec.checkpoint.volume.readOnly", "writes the weights there"),
+        ({"weightSync": {"port": 29500}}, "spec.weightSync.port", "taken by spec.masterPort"),
+        ({"weightSync": {"method": "nfs"}}, "spec.weightSync.method", "'distributed' or 'disk'"),
+    ],
+)  # fmt: skip
+def test_weight_sync_mistakes_are_refused_with_the_fix(spec: dict[str, Any], path: str, words: str) -> None:
+    with pytest.raises(PlanError) as info:
+        plan(manifest(**spec))
+    assert any(e.path == path and words in e.message for e in info.value.errors), info.value.errors
+
+
+def test_checkpoints_without_a_volume_are_ephemeral() -> None:
+    assert plan(manifest()).checkpoints() == {
+        "dir": "/checkpoints", "persistent": False,
+        "why": "no spec.checkpoint.volume: checkpoints live in the trainer pod's emptyDir and die with it, so a "
+        "restarted trainer gang starts from step 0; set spec.checkpoint.volume.claimName to keep them",
+    }  # fmt: skip
+    kept = plan(manifest(checkpoint={"volume": {"claimName": "ckpt"}})).checkpoints()
+    assert kept == {"dir": "/checkpoints", "persistent": True, "claim": "ckpt"}
 
 
 def test_additional_rollouts() -> None:
@@ -266,8 +362,6 @@ INVALID = [
         "spec.actor.treeTraining.maxTokensPerMicrobatch",
         "12 must be a multiple of 8 (lcm of blockSize=4 and t=8); use 8 or 16",
     ),
-    ({"actor": {"backend": "megatron:d8"}}, "spec.actor.backend", "the megatron engine is not built yet"),
-    ({"actor": {"backend": "archon:d8"}}, "spec.actor.backend", "fsdp:d8"),
     ({"actor": {"backend": "fsdp:c2d4"}}, "spec.actor.backend", "context parallelism is not supported by the FSDP"),
     (
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},
@@ -304,7 +398,7 @@ def test_every_problem_is_listed() -> None:
 
 def test_every_trainer_mistake_is_listed_with_its_path() -> None:
     body = manifest(
-        actor={"backend": "megatron:d8", "treeTraining": {"maxTokensPerMicrobatch": 1000, "attention": "flash"}},
+        actor={"backend": "fsdp:c2d4", "treeTraining": {"maxTokensPerMicrobatch": 1000, "attention": "flash"}},
         trainerConfig={"steps": 10, "lr": 1e-6},
     )
     with pytest.raises(PlanError) as info:
@@ -325,3 +419,51 @@ def test_name_length_limit() -> None:
     body["metadata"]["name"] = "x" * 31
     with pytest.raises(PlanError, match="at most 30 characters"):
         plan(body)
+
+
+def _child_names(p: Any) -> set[str]:
+    """Every name an RLJob's children take in its namespace: objects, StatefulSet pods
+    (hostnames) and indexed trainer pods (hostnames)."""
+    names = set()
+    for obj in p.objects:
+        names.add(obj["metadata"]["name"])
+        if obj["kind"] == "StatefulSet":
+            names |= {f"{obj['metadata']['name']}-{i}" for i in range(obj["spec"]["replicas"])}
+        if obj["kind"] == "Job":
+            names |= {f"{obj['metadata']['name']}-{i}" for i in range(obj["spec"]["completions"])}
+    return names
+
+
+def test_reserved_engine_names_are_refused() -> None:
+    with pytest.raises(PlanError, match="engine name 'trainer' is reserved"):
+        plan(manifest(additionalRollouts=[{"name": "trainer", "backend": "vllm:d1"}]))
+    with pytest.raises(PlanError, match=r"spec\.additionalRollouts\.0\.name"):
+        plan(manifest(additionalRollouts=[{"name": "small-v2", "backend": "vllm:d1"}]))  # no '-' in engine names
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.from_regex(r"[a-z][a-z0-9]{0,5}", fullmatch=True),
+    extra=st.lists(st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True), max_size=2),
+    tail=st.sampled_from(["rollout", "trainer", "config", "critic", "rollout-x", "trainer-r1", "x"]),
+    engines=st.lists(
+        st.sampled_from(RESERVED_ENGINE_NAMES) | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+        max_size=2,
+        unique=True,
+    ),
+)
+def test_two_rljobs_never_share_a_child_name(base: str, extra: list[str], tail: str, engines: list[str]) -> None:
+    # RLJob "a" with an engine "trainer" and RLJob "a-rollout" both owned Service
+    # "a-rollout-trainer" (its selector flipped between them): names must never collide.
+    first_name = "-".join([base, *extra])
+    second_name = f"{first_name}-{tail}"
+    plans = []
+    for name, engine_names in ((first_name, engines), (second_name, engines[::-1])):
+        rollouts = [{"name": e, "backend": "vllm:d2"} for e in engine_names]
+        body = manifest(additionalRollouts=rollouts, critic={}, trainerConfig={"algorithm": "ppo"})
+        body["metadata"]["name"] = name
+        try:
+            plans.append(plan(body))
+        except PlanError:
+            return  # a name the planner refuses creates nothing
+    assert not _child_names(plans[0]) & _child_names(plans[1])

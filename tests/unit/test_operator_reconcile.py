@@ -116,6 +116,35 @@ def test_trainer_failure_restarts_with_backoff() -> None:
     assert env["TREETRAIN_RESTART"] == "1"
 
 
+def test_checkpoints_without_a_volume_are_said_to_be_ephemeral() -> None:
+    """No spec.checkpoint.volume: a condition and one warning event at admission, and a restart
+    says it starts from step 0 instead of claiming a resume."""
+    d = decide(rljob(), Observed(), NOW)
+    c = cond(d.status, "CheckpointsEphemeral")
+    assert (c["status"], c["reason"]) == ("True", "NoCheckpointVolume")
+    assert "restarted trainer gang starts from step 0" in c["message"]
+    assert [e[:2] for e in d.events].count(("Warning", "NoCheckpointVolume")) == 1
+    running = decide(rljob(status=d.status), Observed(jobs=[job("demo-trainer")], pods=running_pods()), NOW)
+    assert not [e for e in running.events if e[1] == "NoCheckpointVolume"]  # said once
+
+    failed = [*running_pods()[:2], pod("demo-trainer-0", "actor", phase="Failed", exit_code=1)]
+    restart = decide(rljob(status=running.status), Observed(jobs=[job("demo-trainer")], pods=failed), NOW)
+    assert "starting from step 0" in restart.status["message"] and "resum" not in restart.status["message"]
+    later = NOW + timedelta(seconds=11)
+    back = decide(rljob(status=restart.status), Observed(jobs=[job("demo-trainer-r1")], pods=running_pods(1)), later)
+    assert back.status["message"].startswith("3 pods running (restart 1, starting from step 0")
+
+    kept = decide(rljob(checkpoint={"volume": {"claimName": "ckpt"}}), Observed(), NOW)
+    assert cond(kept.status, "CheckpointsEphemeral")["status"] == "False"
+    assert not [e for e in kept.events if e[1] == "NoCheckpointVolume"]
+    failed_kept = decide(
+        rljob(status={**running.status, "conditions": []}, checkpoint={"volume": {"claimName": "ckpt"}}),
+        Observed(jobs=[job("demo-trainer")], pods=failed),
+        NOW,
+    )
+    assert "resuming from the latest checkpoint on claim ckpt" in failed_kept.status["message"]
+
+
 def test_failed_after_max_restarts() -> None:
     status = {"phase": "Running", "restarts": 2, "conditions": []}
     failed = [pod("demo-trainer-r2-0", "actor", phase="Failed", restart=2, exit_code=1)]

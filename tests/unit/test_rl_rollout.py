@@ -342,6 +342,7 @@ def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_pa
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     raw = small(tmp_path)
     raw["trainer"]["steps"] = 2
+    raw["rollout"] = {"weightSync": {"method": "disk"}}
     env = {"TREETRAIN_ROLLOUT_ENDPOINTS": sglang.url}
     trainer = Trainer(C.validate(raw, env=env), log=lambda _: None)
     assert trainer.client is not None and trainer.client.kind == "sglang"  # detected from /model_info
@@ -370,7 +371,10 @@ def test_trainer_speaks_to_each_engines_servers_in_their_own_api(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     raw = small(tmp_path)
     raw["trainer"]["steps"] = 1
-    raw["rollout"] = {"servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}]}
+    raw["rollout"] = {
+        "servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}],
+        "weightSync": {"method": "disk"},
+    }
     trainer = Trainer(C.validate(raw), log=lambda _: None)
     assert trainer.client is not None and trainer.client.kind == "sglang+vllm"
     trainer.run()

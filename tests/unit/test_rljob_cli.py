@@ -65,7 +65,8 @@ def test_crd_shape() -> None:
 def test_plan_json_matches_design(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(ROOT / "examples" / "rljob.yaml"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out) == ["components", "total_gpus"] and out["total_gpus"] == 16
+    assert list(out) == ["components", "total_gpus", "weight_sync", "checkpoints"] and out["total_gpus"] == 16
+    assert out["weight_sync"]["world_size"] == 9 and out["checkpoints"]["persistent"] is False
     for row in out["components"].values():
         assert {"backend", "gpus", "pods", "gpus_per_pod", "nodes"} <= set(row)
 
@@ -75,6 +76,12 @@ def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "RLJob default/demo: 16 GPUs"
     assert lines[2].split() == ["rollout", "sglang:d2t4", "8", "2", "4", "1"]
+    # How the weights reach the servers, and that checkpoints die with the pod (no volume).
+    assert lines[4] == (
+        "weight sync: distributed, rendezvous demo-trainer-0.demo-trainer.default.svc:29600, world size 9 "
+        "(trainer 0, rollout 1-8)"
+    )
+    assert lines[5].startswith("checkpoints: ephemeral: ") and "starts from step 0" in lines[5]
 
 
 def test_plan_invalid_lists_every_problem(tmp_path: Path) -> None:

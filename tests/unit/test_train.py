@@ -113,7 +113,6 @@ def test_an_override_that_breaks_a_rule_names_the_variable() -> None:
         ({"trainer": {"taskArgs": {"turnz": 2}}}, {}, "trainer.taskArgs.turnz: builtin:parity takes no argument"),
         ({"trainer": {"task": "builtin:arithmetic"}}, {}, "needs a model with a tokenizer"),
         ({"actor": {"backend": "fsdp:d2c2"}}, {}, "context parallelism is not supported by the FSDP engine yet (c2"),
-        ({"actor": {"backend": "megatron:t2"}}, {}, "actor.backend: the megatron engine is not built yet"),
         ({"actor": {"backend": "sglang:d2"}}, {}, "actor.backend: 'sglang:d2' is an inference backend"),
         ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 0}}}, {}, "maxTokensPerMicrobatch: input should be"),
         ({"actor": {"treeTraining": {"maxTokensPerMicrobatch": 100}}}, {}, "100 must be a multiple of 16"),
@@ -125,7 +124,11 @@ def test_an_override_that_breaks_a_rule_names_the_variable() -> None:
         ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
         ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),
         ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE: critic: separate critic pods"),
-        ({"rollout": {"servers": [{"url": "http://127.0.0.1:9"}]}}, {}, "checkpoint.dir: remote rollout syncs weights"),
+        (
+            {"rollout": {"servers": [{"url": "http://127.0.0.1:9"}], "weightSync": {"method": "disk"}}},
+            {},
+            "checkpoint.dir: disk weight sync saves the weights in a directory the servers also mount",
+        ),
     ],
 )
 def test_bad_configs_exit_2_with_the_path(
@@ -401,6 +404,31 @@ def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3/3" in second.stdout
     assert "step 1/3" not in second.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["archon:d2", "megatron:t2", "megatron:p2", "megatron:(attn:d2|ffn:t2)"])
+def test_torchrun_archon_trains_tree_packed_grpo(tmp_path: Path, backend: str) -> None:
+    """The Archon and Megatron engines under torchrun (2 CPU ranks, gloo): 2 tree-packed GRPO
+    steps with local rollout sampled by a Hugging Face model that follows the engine's weights
+    (the hybrid string runs the dense built-in model: its ffn section sets expert tensor
+    parallel, which a dense model ignores; MoE layers are tested in test_megatron_dist.py)."""
+    import socket
+
+    raw = _merge(small(), {"actor": {"backend": backend}, "trainer": {"steps": 2}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step 1/2", "step 2/2"], done.stdout[-2000:]
+    assert backend in done.stdout and "tree packing on" in done.stdout
 
 
 def test_train_flags_frozen() -> None:

@@ -31,6 +31,7 @@ from treetrain.config.schema import (
     TrainerSettings,
     TreeTrainingSettings,
     ValueLossSettings,
+    WeightSyncSettings,
 )
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "TrainerSettings",
     "TreeTrainingSettings",
     "ValueLossSettings",
+    "WeightSyncSettings",
     "alignment_size",
     "check_training_backend",
     "dump_yaml",

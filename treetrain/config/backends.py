@@ -23,16 +23,22 @@ class EngineSupport:
 
 ENGINES: dict[str, EngineSupport] = {
     "fsdp": EngineSupport(built=True, refused={"cp": "context parallelism is not supported by the FSDP engine yet"}),
-    "megatron": EngineSupport(built=False, refused={}),
-    "archon": EngineSupport(built=False, refused={}),
+    "megatron": EngineSupport(built=True, refused={}),
+    "archon": EngineSupport(
+        built=True,
+        refused={
+            "pp": "pipeline parallelism is not built in the archon engine yet",
+            "ep": "expert parallelism is not built in the archon engine yet",
+        },
+    ),
 }
 
 
-def _fsdp_equivalent(allocation: Allocation) -> str:
-    """An fsdp string over the same GPUs (what to write while an engine is missing)."""
+def _data_and_tensor(allocation: Allocation, backend: str) -> str:
+    """A ``backend`` string over the same GPUs with only d and t (what every engine runs)."""
     dims = allocation.dims
     dp = allocation.world_size // dims.tp
-    return f"fsdp:d{dp}" + (f"t{dims.tp}" if dims.tp > 1 else "")
+    return f"{backend}:d{dp}" + (f"t{dims.tp}" if dims.tp > 1 else "")
 
 
 def check_training_backend(backend: str) -> Allocation:
@@ -47,19 +53,22 @@ def check_training_backend(backend: str) -> Allocation:
     if not support.built:
         raise EngineConfigError(
             f"the {allocation.backend} engine is not built yet in this release; "
-            f"use the FSDP engine on the same GPUs: {_fsdp_equivalent(allocation)}"
+            f"use the FSDP engine on the same GPUs: {_data_and_tensor(allocation, 'fsdp')}"
         )
     dims = allocation.dims
     for letter, reason in support.refused.items():
         size = getattr(dims, letter)
         if size > 1:
             raise EngineConfigError(
-                f"{reason} ({letter[0]}{size} in {backend!r}); fix: drop it and raise d or t instead, "
-                f"e.g. {_fsdp_equivalent(allocation)}"
+                # The canonical string: the words are the same whoever wrote the dims in which order.
+                f"{reason} ({letter[0]}{size} in {str(allocation)!r}); fix: drop it and raise d or t instead, "
+                f"e.g. {_data_and_tensor(allocation, allocation.backend)}"
             )
     return allocation
 
 
 def alignment_size(allocation: Allocation) -> int:
-    """Tokens of a packed tree must split evenly over this many ranks (tensor parallel)."""
-    return allocation.dims.tp
+    """Tokens of a packed tree must split evenly over this many ranks (tensor parallel; the
+    Megatron engine also splits each tree's rows over its context parallel ranks)."""
+    dims = allocation.dims
+    return dims.tp * dims.cp if allocation.backend == "megatron" else dims.tp

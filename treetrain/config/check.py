@@ -151,8 +151,14 @@ def check_rollout(s: Sections) -> list[Problem]:
     remote = kind in ("sglang", "vllm") or (kind == "auto" and bool(s.rollout.servers))
     if kind in ("sglang", "vllm") and not s.rollout.servers:
         return [("rollout.servers", f"trainer.rollout.kind {kind} needs servers: add rollout.servers: [{{url: ...}}]")]
-    if remote and not s.checkpoint.dir:
-        return [("checkpoint.dir", "remote rollout syncs weights through a directory the servers also mount; set it")]
+    if remote and s.rollout.weight_sync.method == "disk" and not s.checkpoint.dir:
+        return [
+            (
+                "checkpoint.dir",
+                "disk weight sync saves the weights in a directory the servers also mount; set it, "
+                "or use rollout.weightSync.method: distributed",
+            )
+        ]
     return []
 
 

@@ -19,9 +19,12 @@ RolloutKind = Literal["auto", "local", "sglang", "vllm"]
 ServerKind = Literal["auto", "sglang", "vllm"]
 Algorithm = Literal["grpo", "ppo"]
 DType = Literal["float32", "bfloat16", "float16"]
+WeightSyncMethod = Literal["distributed", "disk"]
+WeightSyncBackend = Literal["auto", "nccl", "gloo"]
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BACKEND = 128  # characters of a backend string (bounds the CRD's CEL rules too)
+DEFAULT_WEIGHT_SYNC_PORT = 29600  # trainer rank 0's rendezvous port for the weight-update group
 
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -108,6 +111,37 @@ class RolloutServer(Section):
 
     url: str = Field(min_length=1, description="Base URL of one SGLang or vLLM server.")
     kind: ServerKind = Field(default="auto", description="The server's API; auto: probed when training starts.")
+    gpus: int = Field(
+        default=1, ge=1, description="The server's GPUs (t*p): its ranks in the weight-update group (distributed)."
+    )
+
+
+class WeightSyncSettings(Section):
+    """How the trained weights reach the rollout servers after every step."""
+
+    method: WeightSyncMethod = Field(
+        default="distributed",
+        description="distributed: broadcast from trainer rank 0 to every server GPU (NCCL on GPUs, gloo on CPU); "
+        "disk: save under checkpoint.dir, a directory the servers also mount, and ask them to reload it.",
+    )
+    master_address: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="distributed: the address of trainer rank 0 that the servers dial to join the group.",
+    )
+    master_port: int = Field(
+        default=DEFAULT_WEIGHT_SYNC_PORT,
+        ge=1,
+        le=65535,
+        description="distributed: the port trainer rank 0 listens on for the group's rendezvous.",
+    )
+    backend: WeightSyncBackend = Field(default="auto", description="distributed: auto (nccl on CUDA, else gloo).")
+    bucket_mb: int = Field(
+        default=512, ge=1, le=65536, description="distributed: megabytes sent per broadcast (tensors are packed)."
+    )
+    timeout_seconds: float = Field(
+        default=600.0, gt=0, description="distributed: wait this long for every server to join, and per bucket."
+    )
 
 
 class RolloutServers(Section):
@@ -116,6 +150,7 @@ class RolloutServers(Section):
     servers: list[RolloutServer] = Field(
         default_factory=list, description="One entry per server; empty: rollout runs in the trainer (local)."
     )
+    weight_sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
 
 
 # -- the trainer section ------------------------------------------------------------------

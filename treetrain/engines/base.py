@@ -120,6 +120,12 @@ class Engine(ABC):
     def vocab_size(self) -> int:
         """The model's vocabulary size (a task's token ids must stay below it)."""
 
+    def sampling_model(self) -> torch.nn.Module:
+        """What local rollout samples from: a module called like a Hugging Face causal LM
+        (attention masks, KV caches), kept up to date with the trained weights. The default is
+        :attr:`model` itself (a transformers model); engines with their own models return one."""
+        return self.model
+
     @abstractmethod
     def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
         """Accumulate gradients of ``loss`` over ``batch``; ``tree`` overrides the config."""
@@ -146,3 +152,20 @@ class Engine(ABC):
     @abstractmethod
     def export_hf(self, path: Path) -> None:
         """Hugging Face weights (safetensors + config) for rollout servers to load."""
+
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full Hugging Face weights by name on the main rank (None on the others), what a
+        distributed weight sync broadcasts; every rank calls it. The default goes through
+        :meth:`export_hf` and a temporary directory; engines that gather directly override it."""
+        import tempfile
+
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory(prefix="treetrain-weights-") as tmp:
+            self.export_hf(Path(tmp))
+            if not self.layout.is_main:
+                return None
+            state: dict[str, torch.Tensor] = {}
+            for f in sorted(Path(tmp).glob("*.safetensors")):
+                state.update(load_file(f))
+            return state

@@ -59,6 +59,16 @@ def build_engine(
         settings = model
     builtin.check_path(settings.path)
     allocation = check_training_backend(backend)
+    if allocation.backend == "megatron":
+        from treetrain.engines.megatron import MegatronEngine, init_megatron
+
+        tree_settings = tree if tree is not None else TreeTrainingSettings()
+        return MegatronEngine(settings, init_megatron(allocation), tree_settings, optimizer, role=role)
+    if allocation.backend == "archon":
+        from treetrain.engines.archon import ArchonEngine, init_layout
+
+        tree_settings = tree if tree is not None else TreeTrainingSettings()
+        return ArchonEngine(settings, init_layout(allocation), tree_settings, optimizer, role=role)
     layout = init_distributed(allocation)
     if allocation.backend == "fsdp":
         from treetrain.engines.fsdp import FSDPEngine

@@ -61,6 +61,21 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def join(allocation: Allocation, *, timeout_s: float = 1800.0) -> tuple[torch.device, int]:
+    """This process's device and the world size, checked against ``allocation``; joins
+    torchrun's process group once when there is more than one process."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != allocation.world_size:
+        raise EngineConfigError(
+            f"backend {str(allocation)!r} needs {allocation.world_size} processes but {world} were started; "
+            f"run torchrun --nproc-per-node {allocation.world_size} (or change the backend string)"
+        )
+    device = _device()
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return device, world
+
+
 def init_distributed(allocation: Allocation, *, timeout_s: float = 1800.0) -> ParallelLayout:
     """Join torchrun's process group (once per process) and build the mesh of ``allocation``
     (from :func:`treetrain.config.check_training_backend`).
@@ -70,17 +85,9 @@ def init_distributed(allocation: Allocation, *, timeout_s: float = 1800.0) -> Pa
     must call this with the same allocations in the same order (a new mesh creates
     sub-groups, a collective call).
     """
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if world != allocation.world_size:
-        raise EngineConfigError(
-            f"backend {str(allocation)!r} needs {allocation.world_size} processes but {world} were started; "
-            f"run torchrun --nproc-per-node {allocation.world_size} (or change the backend string)"
-        )
-    device = _device()
+    device, world = join(allocation, timeout_s=timeout_s)
     if world == 1:
         return ParallelLayout(allocation=allocation, world_size=1, rank=0, device=device, mesh=None)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     group = dist.group.WORLD
     cached = _LAYOUTS.get(allocation)
     if cached is not None and cached[0] is group:

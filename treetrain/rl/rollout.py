@@ -381,6 +381,58 @@ class HTTPRollout(RolloutClient):
     def _each(self, fn: Callable[[str], None]) -> None:
         _in_parallel(fn, self.endpoints)
 
+    def sync_targets(self) -> list[tuple[HTTPRollout, str]]:
+        """Every endpoint with the client that speaks its dialect (distributed weight sync)."""
+        return [(self, ep) for ep in self.endpoints]
+
+    # -- distributed weight sync: one server's side, in its own API (treetrain.rl.weight_sync) --
+    def pause(self, endpoint: str) -> bool:
+        """Stop generating for a weight update; False when the server has no pause route."""
+        raise NotImplementedError
+
+    def resume(self, endpoint: str) -> None:
+        raise NotImplementedError
+
+    def join_group(self, endpoint: str, group: GroupRequest, rank_offset: int) -> None:
+        """Ask the server to join the weight-update group (returns once it joined)."""
+        raise NotImplementedError
+
+    def leave_group(self, endpoint: str, group: GroupRequest) -> None:
+        raise NotImplementedError
+
+    def receive_bucket(self, endpoint: str, bucket: BucketRequest) -> None:
+        """Ask the server to receive one broadcast bucket and load it (returns once loaded)."""
+        raise NotImplementedError
+
+    def _rpc_ok(self, endpoint: str, what: str, res: Any) -> None:
+        if isinstance(res, dict) and res.get("success") is False:
+            raise RolloutError(f"{endpoint} could not {what}: {res.get('message')}")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRequest:
+    """The weight-update group as the servers are told it."""
+
+    address: str
+    port: int
+    world_size: int
+    name: str
+    backend: str
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class BucketRequest:
+    """One broadcast bucket: its tensors (names, torch dtype names, shapes), in the flat order."""
+
+    group: GroupRequest
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    version: int
+    first: bool  # the first bucket of this version
+    last: bool  # the last bucket of this version: the servers flush their caches after it
+
 
 class HTTPHealth(HTTPRollout):
     """Only the health wait, for servers whose kind is not known yet."""
@@ -444,6 +496,41 @@ class SGLangRollout(HTTPRollout):
 
         self._each(one)
 
+    def pause(self, endpoint: str) -> bool:
+        return self.optional(endpoint, "POST", "/pause_generation", {"mode": "abort"})
+
+    def resume(self, endpoint: str) -> None:
+        self.call(endpoint, "POST", "/continue_generation", {})
+
+    def join_group(self, endpoint: str, group: GroupRequest, rank_offset: int) -> None:
+        body = {
+            "master_address": group.address,
+            "master_port": group.port,
+            "rank_offset": rank_offset,
+            "world_size": group.world_size,
+            "group_name": group.name,
+            "backend": group.backend,
+        }
+        self._rpc_ok(
+            endpoint, "join the weight-update group", self.call(endpoint, "POST", "/init_weights_update_group", body)
+        )
+
+    def leave_group(self, endpoint: str, group: GroupRequest) -> None:
+        self.call(endpoint, "POST", "/destroy_weights_update_group", {"group_name": group.name})
+
+    def receive_bucket(self, endpoint: str, bucket: BucketRequest) -> None:
+        body = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "group_name": bucket.group.name,
+            "load_format": "flattened_bucket",  # one flat uint8 tensor per bucket (weight_group.pack)
+            "flush_cache": bucket.last,
+            "weight_version": str(bucket.version),
+        }
+        res = self.call(endpoint, "POST", "/update_weights_from_distributed", body)
+        self._rpc_ok(endpoint, f"load weights version {bucket.version}", res)
+
 
 class VLLMRollout(HTTPRollout):
     """vLLM's OpenAI-compatible ``POST /v1/completions`` with token-id prompts and log-probs."""
@@ -503,6 +590,45 @@ class VLLMRollout(HTTPRollout):
 
         self._each(one)
 
+    def pause(self, endpoint: str) -> bool:
+        return self.optional(endpoint, "POST", "/pause?mode=keep", None)
+
+    def resume(self, endpoint: str) -> None:
+        # Cached prefixes hold keys and values of the old weights: drop them before sampling again.
+        self.call(endpoint, "POST", "/reset_prefix_cache", None)
+        self.call(endpoint, "POST", "/resume", None)
+
+    def _rpc(self, endpoint: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
+        """One method of our worker extension on every worker of the server (``/collective_rpc``)."""
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
+        return self.call(endpoint, "POST", "/collective_rpc", body)
+
+    def join_group(self, endpoint: str, group: GroupRequest, rank_offset: int) -> None:
+        kwargs = {
+            "address": group.address,
+            "port": group.port,
+            "rank_offset": rank_offset,
+            "world_size": group.world_size,
+            "group_name": group.name,
+            "backend": group.backend,
+            "timeout_s": group.timeout_s,
+        }
+        self._rpc(endpoint, "join_weight_group", kwargs, group.timeout_s)
+
+    def leave_group(self, endpoint: str, group: GroupRequest) -> None:
+        self._rpc(endpoint, "leave_weight_group", {}, group.timeout_s)
+
+    def receive_bucket(self, endpoint: str, bucket: BucketRequest) -> None:
+        kwargs = {
+            "names": bucket.names,
+            "dtypes": bucket.dtypes,
+            "shapes": bucket.shapes,
+            "version": bucket.version,
+            "first": bucket.first,
+            "last": bucket.last,
+        }
+        self._rpc(endpoint, "receive_weights", kwargs, bucket.group.timeout_s)
+
 
 def probe_kind(endpoint: str, transport: Transport = http_json) -> str:
     """``sglang`` when the server answers ``/model_info`` (vLLM has no such route), else ``vllm``."""
@@ -548,6 +674,9 @@ class MixedRollout(RolloutClient):
     @property
     def endpoints(self) -> list[str]:
         return [ep for _, ep in self.targets]
+
+    def sync_targets(self) -> list[tuple[HTTPRollout, str]]:
+        return list(self.targets)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
         gens, self._next = _spread(

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +25,21 @@ import torch.distributed as dist
 from treetrain.config import Launch, RoleSettings, TrainConfig
 from treetrain.engines import build_engine, builtin
 from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
+from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.metrics import StepFigures, TrainerMetrics
 from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch
 from treetrain.rl.losses import PPOLoss, ValueLoss
-from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
+from treetrain.rl.rollout import (
+    Generation,
+    HTTPRollout,
+    LocalRollout,
+    MixedRollout,
+    RolloutClient,
+    SamplingParams,
+    remote_client,
+)
 from treetrain.rl.task import Task, load_task
+from treetrain.rl.weight_sync import WeightSender
 from treetrain.trainer.checkpoints import Checkpoints
 from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
 
@@ -113,6 +124,7 @@ class Trainer:
         self.loss = PPOLoss(t.loss)
         self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
+        self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
         self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
@@ -133,7 +145,7 @@ class Trainer:
     def _rollout_client(self) -> RolloutClient | None:
         r, servers = self.cfg.trainer.rollout, self.cfg.rollout.servers
         if r.kind == "local" or (r.kind == "auto" and not servers):
-            return LocalRollout(self.actor.model, self.layout.device)
+            return LocalRollout(self.actor.sampling_model(), self.layout.device)
         if not self.main:
             return None  # only rank 0 talks to the servers; the others get its results
         # A server's own kind wins; trainer.rollout.kind names the ones left to auto.
@@ -167,31 +179,61 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, step: int) -> None:
-        path = self.checkpoints.step_dir(step)
+        """Every rank writes its part into a partial directory; rank 0 publishes it whole."""
+        if self.main:
+            self.checkpoints.clear_partial(step)
+        self._barrier()
+        path = self.checkpoints.partial_dir(step)
         extra = {"step": step}
         self.actor.save(path, extra)
         if self.critic is not None:
             self.critic.save(path, extra)
         self._barrier()
         if self.main:
-            self.checkpoints.commit(path)
+            self.checkpoints.commit(step)
         self._barrier()
 
     def _restore(self) -> int:
-        path = self.checkpoints.latest()
-        if path is None:
-            restart = self.launch.restart
-            if self.resume_required or restart > 0:
-                where = self.checkpoints.root or "(no checkpoint.dir set)"
-                if self.resume_required:
-                    raise FileNotFoundError(f"--resume: no checkpoint in {where}")
-                self.log(f"restart {restart}: no checkpoint in {where} yet; starting from step 0")
-            return 0
-        extra = self.actor.load(path)
-        if self.critic is not None:
-            self.critic.load(path)
-        self.log(f"resumed from {path} (step {extra['step']})")
-        return int(extra["step"])
+        """Resume from the newest checkpoint that every rank can read; an unreadable one (torn by
+        a crash or a full disk) is reported and the next older one is tried."""
+        if self.checkpoints.pointer_is_stale():
+            self.log(
+                f"checkpoint: {self.checkpoints.root}/latest names a missing directory; using the newest complete one"
+            )
+        candidates = self.checkpoints.candidates()
+        for path in candidates:
+            problem = self._load(path)
+            if problem is None:
+                step = int(path.name.removeprefix("step-"))
+                self.log(f"resumed from {path} (step {step})")
+                return step
+            self.log(f"checkpoint: {problem}; trying an older one")
+        where = self.checkpoints.root or "(no checkpoint.dir set)"
+        if candidates:
+            raise EngineConfigError(
+                f"no readable checkpoint in {where} ({len(candidates)} tried); fix: move them away to start over "
+                "from step 0, or give this run a new checkpoint.dir"
+            )
+        if self.resume_required:
+            raise FileNotFoundError(f"--resume: no checkpoint in {where}")
+        if self.launch.restart > 0:
+            self.log(f"restart {self.launch.restart}: no checkpoint in {where} yet; starting from step 0")
+        return 0
+
+    def _load(self, path: Path) -> str | None:
+        """Load ``path`` into every engine; the reason it could not be read (on any rank), or None."""
+        problem = ""
+        try:
+            self.actor.load(path)
+            if self.critic is not None:
+                self.critic.load(path)
+        except CheckpointUnreadableError as err:
+            problem = str(err)
+        if self.layout.world_size > 1:  # every rank must resume from the same step
+            problems: list[Any] = [None] * self.layout.world_size
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), "")
+        return problem or None
 
     def _barrier(self) -> None:
         if self.layout.world_size > 1:
@@ -274,8 +316,15 @@ class Trainer:
         return stats.loss
 
     def _sync_weights(self, version: int) -> None:
+        if self.cfg.rollout.weight_sync.method == "distributed":
+            weights = self.actor.hf_weights()  # every rank joins the gather; rank 0 holds them
+            if self.main:
+                assert weights is not None
+                self._sender().push(weights.items(), version)
+            self._barrier()
+            return
         if self.checkpoints.root is None:
-            raise EngineConfigError("remote rollout needs checkpoint.dir (a path the rollout servers also mount)")
+            raise EngineConfigError("disk weight sync needs checkpoint.dir (a path the rollout servers also mount)")
         path = self.checkpoints.weights_dir(version)
         self.actor.export_hf(path)
         if self.main:
@@ -284,10 +333,22 @@ class Trainer:
             self.checkpoints.prune_weights()  # every server has loaded this version: older ones go
         self._barrier()
 
+    def _sender(self) -> WeightSender:
+        """Rank 0's end of the weight-update group, joined with every server at the first sync."""
+        if self.sender is None:
+            assert isinstance(self.client, HTTPRollout | MixedRollout)
+            self.sender = WeightSender(
+                self.client.sync_targets(), self.cfg.rollout.servers, self.cfg.rollout.weight_sync
+            )
+            self.sender.connect()
+        return self.sender
+
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> Summary:
         t = self.cfg.trainer
         start = self._restore()
+        if start > 0 and self.remote:
+            self._sync_weights(start)  # the servers still serve the initial weights: send the resumed ones
         self._serve_metrics()
         begin = time.perf_counter()
         records = []
@@ -355,6 +416,8 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        if self.sender is not None:
+            self.sender.close()
         if self.client is not None:
             self.client.close()
         torch.set_num_threads(self._threads)

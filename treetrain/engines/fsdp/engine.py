@@ -12,6 +12,7 @@ same trees.
 from __future__ import annotations
 
 import math
+import pickle
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from treetrain.attention import TreeAttentionMeta, resolve, tree_forward
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
-from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_parallel
 from treetrain.engines.parallel import ParallelLayout
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
@@ -243,7 +244,7 @@ class FSDPEngine(Engine):
         own = path / f"{self.role}-rank{self.layout.rank}.pt"
         if not own.exists():
             raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
-        meta = torch.load(own, weights_only=False)
+        meta = _read(own)
         saved_model = meta.get("model", self.settings.path)  # older checkpoints lack it
         if saved_model != self.settings.path:
             raise EngineConfigError(
@@ -253,19 +254,23 @@ class FSDPEngine(Engine):
         try:
             if self.layout.world_size > 1:
                 state = self._state()
-                dcp_load(state, checkpoint_id=str(path / self.role))
+                try:
+                    dcp_load(state, checkpoint_id=str(path / self.role))
+                except Exception as err:  # DCP wraps every rank's read error in its own exception type
+                    raise CheckpointUnreadableError(f"{path / self.role} cannot be read: {_first_line(err)}") from None
             else:
-                state = torch.load(path / f"{self.role}.pt", weights_only=False)
+                state = _read(path / f"{self.role}.pt")
             if self.optimizer is None:
                 set_model_state_dict(self.model, state["model"])
             else:
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
                 )
+        except CheckpointUnreadableError:
+            raise
         except (RuntimeError, KeyError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise EngineConfigError(
-                f"cannot resume the {self.role} from checkpoint {path}: {first}; fix: give this run a new "
+                f"cannot resume the {self.role} from checkpoint {path}: {_first_line(err)}; fix: give this run a new "
                 "checkpoint.dir if that checkpoint belongs to another model or layout"
             ) from None
         self.steps = int(meta["steps"])
@@ -278,17 +283,22 @@ class FSDPEngine(Engine):
 
     def export_hf(self, path: Path) -> None:
         """Full (unsharded) weights as safetensors + config; rank 0 writes, every rank joins."""
+        state = self.hf_weights()
+        if state is not None:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(str(path), state_dict=state)  # type: ignore[operator]
+        if self.layout.world_size > 1:
+            dist.barrier()
+
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full (unsharded) weights by Hugging Face name, gathered to rank 0's CPU; every rank joins."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.role == "critic":
             raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        if self.layout.is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(str(path), state_dict=state)  # type: ignore[operator]
-        if self.layout.world_size > 1:
-            dist.barrier()
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if self.layout.is_main else None
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients by parameter name (tests and parity scripts)."""
@@ -369,3 +379,16 @@ def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
                 grads.append(local)
     if grads:
         torch.foreach.mul_(grads, coef)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _read(file: Path) -> Any:
+    """``torch.load`` of a checkpoint file; a torn or truncated one is :class:`CheckpointUnreadableError`."""
+    try:
+        return torch.load(file, weights_only=False)
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
+        raise CheckpointUnreadableError(f"{file} cannot be read ({_first_line(err)})") from None

@@ -1,0 +1,102 @@
+"""Checkpoints that survive crashes: written whole or not at all, read newest first with a
+fallback past unreadable ones, and every failure one line (tiny model, one process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_train import _merge, small
+
+from treetrain import config as C
+from treetrain.cli import main
+from treetrain.trainer.loop import Trainer
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _train(ckpt: Path, steps: int, lines: list[str] | None = None) -> Any:
+    raw = small(ckpt)
+    raw["checkpoint"]["intervalSteps"] = 1
+    log = lines.append if lines is not None else (lambda _: None)
+    trainer = Trainer(C.validate(raw, overrides={"trainer.steps": steps}), log=log)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_a_torn_checkpoint_falls_back_to_the_one_before(tmp_path: Path) -> None:
+    for torn in ("actor.pt", "actor-rank0.pt"):  # the model state, then this rank's metadata
+        ckpt = tmp_path / torn
+        _train(ckpt, steps=2)
+        assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000001", "step-00000002"]
+        newest = ckpt / "step-00000002" / torn
+        newest.write_bytes(newest.read_bytes()[:100])  # a crash or a full disk mid-write
+        lines: list[str] = []
+        summary = _train(ckpt, steps=3, lines=lines)
+        assert summary.start_step == 1, lines
+        assert any("step-00000002" in line and "cannot be read" in line and "older" in line for line in lines), lines
+        assert any(line.startswith(f"resumed from {ckpt / 'step-00000001'}") for line in lines)
+
+
+def test_latest_naming_a_missing_directory_uses_the_newest_complete_one(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=2)
+    (ckpt / "latest").write_text("step-00000009\n")
+    lines: list[str] = []
+    summary = _train(ckpt, steps=3, lines=lines)
+    assert summary.start_step == 2  # not a silent restart from step 0
+    assert any("latest names a missing directory" in line for line in lines)
+    assert (ckpt / "latest").read_text().strip() == "step-00000003"
+
+
+def test_an_interrupted_save_leaves_nothing_that_is_read(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=1)
+    # What a crash or a full disk in the middle of saving step 2 leaves behind.
+    partial = ckpt / "step-00000002.partial"
+    partial.mkdir()
+    (partial / "actor.pt").write_bytes(b"torn")
+    lines: list[str] = []
+    summary = _train(ckpt, steps=2, lines=lines)
+    assert summary.start_step == 1 and not partial.exists()
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step-")) == ["step-00000001", "step-00000002"]
+
+
+def test_no_readable_checkpoint_is_one_line_and_starts_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(ckpt, steps=1)
+    (ckpt / "step-00000001" / "actor.pt").write_bytes(b"")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_merge(small(ckpt), {"trainer": {"steps": 2}})))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "no readable checkpoint in" in err and "Traceback" not in err
+    assert (ckpt / "latest").read_text().strip() == "step-00000001"  # nothing overwritten
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(small(not_a_dir)))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint.dir {not_a_dir} is a file" in err and "Traceback" not in err
+
+
+def test_a_binary_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(bytes(range(256)))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the config" in err and "Traceback" not in err

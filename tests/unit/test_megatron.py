@@ -1,0 +1,96 @@
+"""The Megatron engine in one process (``megatron:d1``): the parallel-state mapping for every
+letter, log-probs and gradients equal each sequence alone through transformers, and the RoPE
+regression (later branches of a tree need tree positions, not flat ones)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron_models import branching_sequences, make_batch, reference, save_model
+
+from treetrain.alloc import parse
+from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import build_engine
+from treetrain.rl.losses import PPOLoss
+
+TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_process() -> Iterator[None]:
+    """megatron-core needs a process group even for one process; leave none behind."""
+    yield
+    import torch.distributed as dist
+
+    from treetrain.engines.megatron.parallel import reset_megatron
+
+    reset_megatron()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("backend", "want"),
+    [
+        ("megatron:d4", (1, 1, 1, 1, 1)),
+        ("megatron:t2", (2, 1, 1, 1, 1)),
+        ("megatron:p2", (1, 2, 1, 1, 1)),
+        ("megatron:c2", (1, 1, 2, 1, 1)),
+        ("megatron:d2e2", (1, 1, 1, 2, 1)),
+        ("megatron:d2p2t2c2", (2, 2, 2, 1, 1)),
+        ("megatron:(attn:d4p2t2c2|ffn:d2p2t4e2)", (2, 2, 2, 2, 4)),
+    ],
+)
+def test_every_letter_maps_to_megatron(backend: str, want: tuple[int, ...]) -> None:
+    from treetrain.engines.megatron import megatron_sizes
+
+    got = megatron_sizes(parse(backend))
+    names = ("tensor", "pipeline", "context", "expert", "expert_tensor")
+    assert (
+        tuple(got[f"{n}_{'model_' if n in ('tensor', 'pipeline', 'expert') else ''}parallel_size"] for n in names)
+        == want
+    )
+
+
+def test_d1_matches_each_sequence_alone_and_needs_tree_positions(tmp_path: Path) -> None:
+    path = save_model("qwen3", tmp_path)
+    loss = PPOLoss(LossSettings(clip_eps=0.2))
+    batch = make_batch(branching_sequences())
+    engine = build_engine(ModelSettings(path=str(path)), "megatron:d1", tree=TREE, optimizer=OptimizerSettings())
+    ref_loss, ref_grads, ref_logps = reference(path, batch, loss)
+    for use_tree in (True, False):
+        stats = engine.forward_backward(batch, loss, tree=use_tree)
+        assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7
+        grads = engine.full_grads()
+        for n, ref in ref_grads.items():
+            torch.testing.assert_close(grads[n], ref, rtol=1e-4, atol=1e-6, msg=n)
+        engine.zero_grad()
+    got = engine.forward(batch.sequences)
+    for g, w in zip(got, ref_logps, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+    # The regression: with flat positions (what GPTModel does with position_ids), sequences
+    # on later branches of the tree come out wrong.
+    from treetrain.engines.megatron.model import TreeGPT
+
+    real = TreeGPT.forward
+
+    def flat(self: TreeGPT, ids: torch.Tensor | None, tree: object) -> torch.Tensor:
+        tree.positions_N = torch.arange(tree.positions_N.shape[0])  # type: ignore[attr-defined]
+        return real(self, ids, tree)  # type: ignore[arg-type]
+
+    TreeGPT.forward = flat  # type: ignore[method-assign]
+    try:
+        wrong = engine.forward(batch.sequences)
+    finally:
+        TreeGPT.forward = real  # type: ignore[method-assign]
+    off = [float((g - w).abs().max()) for g, w in zip(wrong, ref_logps, strict=True)]
+    assert sum(d > 1e-3 for d in off) >= 3, off
+    engine.forward_backward(batch, loss)
+    assert engine.step() > 0

@@ -1,0 +1,186 @@
+"""Distributed weight sync against stand-in servers that really join the group over gloo.
+
+The stand-ins (tests/unit/weight_standin.py) are NOT SGLang or vLLM: separate Python processes on
+127.0.0.1 that answer SGLang's or our vLLM extension's weight-sync routes and receive the
+broadcast with the same group code as the trainer. The real vLLM server is in tests/vllm.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from treetrain import config as C
+from treetrain.rl import weight_group as wg
+from treetrain.rl.rollout import RolloutError, remote_client
+from treetrain.rl.weight_sync import WeightSender
+
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class StandIn:
+    def __init__(self, kind: str, out: Path, *, join: bool = True) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.kind, self.out = kind, out
+        args = [sys.executable, str(HERE / "weight_standin.py"), kind, str(out), *([] if join else ["--no-join"])]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # "port N" once it listens
+        assert line.startswith("port "), line
+        self.url = f"http://127.0.0.1:{int(line.split()[1])}"
+
+    def paths(self) -> list[str]:
+        calls = (self.out / "calls.jsonl").read_text().splitlines() if (self.out / "calls.jsonl").exists() else []
+        return [json.loads(c)["path"] for c in calls]
+
+    def bodies(self, path: str) -> list[Any]:
+        lines = (self.out / "calls.jsonl").read_text().splitlines()
+        return [c["body"] for c in map(json.loads, lines) if c["path"] == path]
+
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        loaded: dict[str, torch.Tensor] = torch.load(self.out / f"weights-v{version}.pt")
+        return loaded
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def standins(tmp_path: Path) -> Iterator[list[StandIn]]:
+    servers = [StandIn("sglang", tmp_path / "sglang"), StandIn("vllm", tmp_path / "vllm")]
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def settings(**kw: Any) -> C.WeightSyncSettings:
+    return C.WeightSyncSettings(master_port=free_port(), backend="gloo", **kw)
+
+
+def test_buckets_pack_and_unpack_bit_exact() -> None:
+    named = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7)),
+        ("c", torch.randn(2, 2).bfloat16()),
+        ("d", torch.randn(9)),
+    ]
+    cut = list(wg.buckets(named, bucket_bytes=64))
+    assert [[n for n, _ in b] for b in cut] == [["a"], ["b"], ["c"], ["d"]]  # 60 B, 28 B + a dtype change, 36 B
+    assert [[n for n, _ in b] for b in wg.buckets(named, 1 << 20)] == [["a", "b"], ["c"], ["d"]]
+    for bucket in cut:
+        specs = [wg.spec_of(n, t) for n, t in bucket]
+        back = wg.unpack(wg.pack(bucket), specs)
+        for (n, t), (m, u) in zip(bucket, back, strict=True):
+            assert n == m and u.dtype == t.dtype and torch.equal(u, t)
+
+
+def test_weights_arrive_bit_exact_in_buckets_at_every_server(standins: list[StandIn]) -> None:
+    """One group: trainer rank 0, the SGLang stand-in rank 1, the vLLM stand-in (our extension) rank 2."""
+    sglang, vllm = standins
+    servers = [C.RolloutServer(url=sglang.url, kind="sglang"), C.RolloutServer(url=vllm.url, kind="vllm")]
+    client = remote_client([(s.url, s.kind) for s in servers])
+    sender = WeightSender(client.sync_targets(), servers, settings(bucket_mb=1))  # type: ignore[attr-defined]
+    weights = {f"layer{i}.weight": torch.randn(256, 300) for i in range(4)}  # 300 KB each: 2 buckets of 1 MB
+    weights["norm.weight"] = torch.randn(300).bfloat16()
+    try:
+        sender.push(weights.items(), version=7)
+        weights["layer0.weight"] += 1
+        sender.push(weights.items(), version=8)
+    finally:
+        sender.close()
+    for server in standins:
+        got = server.weights(8)
+        assert list(got) == list(weights)
+        for name, t in weights.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+        assert not torch.equal(server.weights(7)["layer0.weight"], weights["layer0.weight"])
+    # SGLang: joined once as rank 1, three buckets per version (fp32 x2, then the bf16 one), paused around each.
+    (init,) = sglang.bodies("/init_weights_update_group")
+    assert (init["rank_offset"], init["world_size"], init["backend"]) == (1, 3, "gloo")
+    updates = sglang.bodies("/update_weights_from_distributed")
+    assert [len(u["names"]) for u in updates] == [3, 1, 1] * 2
+    assert [u["flush_cache"] for u in updates] == [False, False, True] * 2
+    assert {u["weight_version"] for u in updates} == {"7", "8"}
+    assert sglang.paths()[:2] == ["/init_weights_update_group", "/pause_generation"]
+    assert sglang.paths()[-1] == "/continue_generation"
+    # vLLM: our extension through /collective_rpc, as rank 2; the prefix cache dropped before resuming.
+    rpcs = [b["method"] for b in vllm.bodies("/collective_rpc")]
+    assert rpcs == ["join_weight_group"] + ["receive_weights"] * 6
+    assert vllm.bodies("/collective_rpc")[0]["kwargs"]["rank_offset"] == 2
+    assert vllm.paths()[-2:] == ["/reset_prefix_cache", "/resume"]
+
+
+def test_a_server_that_does_not_join_is_named(tmp_path: Path) -> None:
+    good, lost = StandIn("sglang", tmp_path / "good"), StandIn("vllm", tmp_path / "lost", join=False)
+    try:
+        servers = [C.RolloutServer(url=good.url, kind="sglang"), C.RolloutServer(url=lost.url, kind="vllm")]
+        client = remote_client([(s.url, s.kind) for s in servers], retries=0)
+        sender = WeightSender(client.sync_targets(), servers, settings(timeout_seconds=3))  # type: ignore[attr-defined]
+        with pytest.raises(RolloutError) as info:
+            sender.connect()
+        message = str(info.value)
+        assert f"weight sync: {lost.url} (POST {lost.url}/collective_rpc failed: HTTP 500" in message
+        assert "cannot reach 127.0.0.1" in message and good.url not in message
+        assert "did not join the weight-update group" in message
+        assert f"127.0.0.1:{sender.request.port}" in message and "world size 3" in message
+    finally:
+        good.close()
+        lost.close()
+
+
+def test_rank_offsets_follow_each_servers_gpus(standins: list[StandIn]) -> None:
+    sglang, vllm = standins
+    servers = [C.RolloutServer(url=sglang.url, kind="sglang", gpus=4), C.RolloutServer(url=vllm.url, kind="vllm")]
+    client = remote_client([(s.url, s.kind) for s in servers])
+    sender = WeightSender(client.sync_targets(), servers, settings())  # type: ignore[attr-defined]
+    assert sender.offsets == {sglang.url: 1, vllm.url: 5} and sender.request.world_size == 6
+    with pytest.raises(RolloutError, match=r"not in rollout\.servers"):
+        WeightSender(client.sync_targets(), servers[:1], settings())  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_trainer_syncs_by_broadcast_every_step(standins: list[StandIn], tmp_path: Path, monkeypatch: Any) -> None:
+    """The whole loop, distributed sync (the default): no checkpoint.dir, and after each step both
+    servers hold exactly the trainer's weights."""
+    from test_train import small
+
+    from treetrain.trainer.loop import Trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sglang, vllm = standins
+    raw = small()
+    raw["trainer"]["steps"] = 2
+    raw["rollout"] = {
+        "servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}],
+        "weightSync": {"masterPort": free_port(), "backend": "gloo"},
+    }
+    trainer = Trainer(C.validate(raw), log=lambda _: None)
+    try:
+        trainer.run()
+        final = trainer.actor.hf_weights()
+    finally:
+        trainer.close()
+    assert final is not None
+    for server in standins:
+        got = server.weights(2)
+        assert set(got) == set(final)
+        assert all(torch.equal(got[n], t) for n, t in final.items())
+        assert server.weights(1).keys() == got.keys()

@@ -1,0 +1,492 @@
+"""The Archon engine: our own PyTorch-native models (:mod:`.model`) spread over the ranks by
+:mod:`.parallelize`, trained on packed trees.
+
+Letters: N padded tree tokens, n = N / c tokens on one context rank, V vocabulary, M
+gathered positions of a micro-batch.
+
+Every rank holds the whole batch and packs it the same way. Data-parallel ranks run their own
+trees (the packer gives every one the same number); tensor-parallel ranks run the same trees
+split by tokens between blocks; context-parallel ranks run the same trees, each its ``n``
+consecutive rows, and gather only the log-probs whose predicting row they hold, so the loss
+of a tree is the sum of its context ranks' parts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from treetrain.attention import TreeAttentionMeta, resolve
+from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines.archon.layout import ArchonLayout
+from treetrain.engines.archon.model import ModelArgs, Transformer
+from treetrain.engines.archon.model.hf import SafetensorsDir, from_hf, from_hf_state, to_hf
+from treetrain.engines.archon.model.model import rope_inv_freq
+from treetrain.engines.archon.parallelize import check_tp, parallelize
+from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.fsdp.engine import scale_grads
+from treetrain.engines.fsdp.model import ModelSource
+from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
+from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+
+
+@dataclass(slots=True)
+class _Run:
+    out: MicroBatchOutput
+    mine_M: torch.Tensor | None  # the positions this context rank gathered (None: all)
+    anchor: torch.Tensor  # a scalar that touches every output (backward on empty trees)
+    aux: torch.Tensor | None  # the MoE load-balancing loss, already weighted
+
+
+class ArchonEngine(Engine):
+    """Actor (log-probs), critic (tree-packed values) or reference (frozen log-probs).
+    ``optimizer=None``: forward only."""
+
+    layout: ArchonLayout
+
+    def __init__(
+        self,
+        model: ModelSettings | ModelSource,
+        layout: ArchonLayout,
+        tree: TreeTrainingSettings,
+        optimizer: OptimizerSettings | None = None,
+        *,
+        role: str = "actor",
+    ) -> None:
+        check_role(role)
+        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        self.settings = self.source.settings
+        self.args = ModelArgs.from_hf(self.source.config)
+        self.layout = layout
+        self.tree = tree
+        self.role = role
+        self.block_size = tree.block_size
+        _check_layout(self.args, layout)
+        self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
+        self._pack_config(tree=True)  # the packer's message when max_tokens_per_mb does not fit
+        self.compute_dtype: torch.dtype = getattr(torch, self.settings.dtype)
+        # fp32 master weights where FSDP can cast for compute (data or context ranks > 1).
+        sharded = layout.dp * layout.cp > 1
+        self.param_dtype = torch.float32 if sharded and self.compute_dtype != torch.float32 else self.compute_dtype
+        self.model: nn.Module = self._build()
+        self.optim = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=optimizer.lr,
+                betas=(optimizer.betas[0], optimizer.betas[1]),
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+            )
+        else:
+            self.model.requires_grad_(False)
+        self.steps = 0
+        self._sampler: nn.Module | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    # -- building --------------------------------------------------------------------------
+    def _build(self) -> Transformer:
+        """Build on the meta device, shard, allocate only this rank's shards, then load: every
+        rank reads the checkpoint tensors it holds (memory-mapped safetensors)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        args, layout = self.args, self.layout
+        with torch.device("meta"):
+            model = Transformer(args, value_head=self.role == "critic")
+            if args.tie_embeddings and model.output is not None:
+                assert model.tok_embeddings is not None
+                model.output.weight = model.tok_embeddings.weight
+        model.to(self.param_dtype)
+        parallelize(
+            model,
+            layout,
+            param_dtype=self.param_dtype,
+            compute_dtype=self.compute_dtype,
+            checkpointing=self.settings.gradient_checkpointing,
+        )
+        model.to_empty(device=layout.device)
+        with torch.no_grad():
+            model.get_buffer("inv_freq").copy_(rope_inv_freq(args))
+        names = list(model.state_dict().keys())
+        state: dict[str, Any] = {k: v.to(self.param_dtype) for k, v in self._hf_weights(names).items()}
+        options = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(model, state, options=options)
+        return model
+
+    def _hf_weights(self, names: list[str]) -> dict[str, torch.Tensor]:
+        args = self.args
+        if self.source.directory is not None:
+            state = from_hf(
+                names,
+                SafetensorsDir(self.source.directory),
+                n_experts=args.n_experts,
+                tie_embeddings=args.tie_embeddings,
+            )
+        else:
+            # A random built-in model: transformers' own initialisation from the seed, so the
+            # FSDP and Archon engines start from the same weights.
+            from treetrain.engines.fsdp.model import build_model
+
+            hf = build_model(self.source, "actor", dtype=torch.float32).state_dict()
+            state = from_hf_state(names, hf, n_experts=args.n_experts, tie_embeddings=args.tie_embeddings)
+        if self.role == "critic":
+            torch.manual_seed(self.settings.seed)  # the same head on every rank
+            head = nn.Linear(args.dim, 1)
+            state["value_head.weight"], state["value_head.bias"] = head.weight.detach(), head.bias.detach()
+        return state
+
+    # -- packing ---------------------------------------------------------------------------
+    def _pack_config(self, *, tree: bool) -> PackConfig:
+        return PackConfig(
+            max_tokens_per_mb=self.tree.max_tokens_per_mb,
+            block_size=self.block_size,
+            # Sequence parallel splits a tree's tokens over t, context parallel over c.
+            parallel_size=self.layout.tp * self.layout.cp,
+            dp_size=self.layout.dp,
+            pad_to_max=self.tree.pad_to_maximum,
+            share_prefixes=tree,
+        )
+
+    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
+        use_tree = self.tree.enabled if tree is None else tree
+        return pack(sequences, self._pack_config(tree=use_tree))
+
+    # -- one micro-batch -------------------------------------------------------------------
+    def _run(self, tree: PackedTree, *, entropy: bool) -> _Run:
+        device = self.layout.device
+        t = TreeTensors.from_tree(tree, device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=self.attention, block_size=self.block_size, device=device)
+        big_n, c = tree.padded_len, self.layout.cp
+        n = big_n // c
+        r0 = self.layout.cp_rank * n
+        valid_N = torch.arange(big_n, device=device) < tree.num_tokens
+        pred_M, label_M, mine_M = t.pred_M, t.label_M, None
+        if c > 1:
+            mine_M = (pred_M >= r0) & (pred_M < r0 + n)
+            pred_M, label_M = pred_M[mine_M] - r0, label_M[mine_M]
+        raw = self.model(t.input_ids_N[r0 : r0 + n], t.position_ids_N[r0 : r0 + n], meta, valid_N[r0 : r0 + n])
+        if isinstance(raw, DTensor):
+            raw = raw.to_local()  # a replicated value head under tensor parallel
+        if self.role == "critic":
+            out = MicroBatchOutput(values=raw[pred_M].float())
+            anchor = raw.sum() * 0.0
+        else:
+            logp_M, ent_M = gather_logprobs(raw, pred_M, label_M, with_entropy=entropy)
+            out = MicroBatchOutput(logprobs=logp_M, entropy=ent_M)
+            anchor = raw[:1, :1].sum() * 0.0
+        aux = None
+        if self.args.use_aux_loss and self.model.training:
+            found = self._transformer().moe_aux_loss()
+            aux = None if found is None else found * self.args.router_aux_loss_coef
+        return _Run(out=out, mine_M=mine_M, anchor=anchor, aux=aux)
+
+    def _transformer(self) -> Transformer:
+        assert isinstance(self.model, Transformer)
+        return self.model
+
+    def _sum_group(self) -> dist.ProcessGroup | None:
+        """Ranks whose loss parts add up to the batch's: data and context ranks."""
+        if self.layout.mesh is None or self.layout.dp * self.layout.cp == 1:
+            return None
+        return self.layout.mesh["dp_cp"].get_group()
+
+    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot train")
+        self.model.train()
+        packed = self.pack(batch.sequences, tree=tree)
+        # One global token count, fixed before the micro-batch loop (every rank holds the batch).
+        total = max(batch.num_loss_tokens(), 1)
+        # FSDP averages gradients over the data and context ranks: each rank's loss is its share
+        # of one sum, scaled up by the number of ranks the average divides by.
+        scale = self.layout.dp * self.layout.cp / total
+        device = self.layout.device
+        loss_sum = torch.zeros((), device=device)
+        stat_sums: dict[str, torch.Tensor] = {}
+        trees = packed.rank_trees(self.layout.dp_rank)
+        for tree_mb in trees:
+            run = self._run(tree_mb, entropy=loss.needs_entropy)
+            mask_M = pack_sequence_tensors(tree_mb, batch.loss_mask).to(device)
+            inputs = {k: pack_sequence_tensors(tree_mb, v).to(device) for k, v in batch.tensors.items()}
+            if run.mine_M is not None:
+                mask_M = mask_M[run.mine_M]
+                inputs = {k: v[run.mine_M] for k, v in inputs.items()}
+            mb_loss, stats = loss(run.out, mask_M, inputs)
+            extra = run.anchor if run.aux is None else run.anchor + run.aux * total / len(trees)
+            torch.autograd.backward((mb_loss + extra) * scale)
+            loss_sum += mb_loss.detach()
+            for k, v in stats.items():
+                stat_sums[k] = stat_sums.get(k, torch.zeros((), device=device)) + v.detach().float()
+        names = sorted(stat_sums)
+        sums = torch.stack([loss_sum, *(stat_sums[k] for k in names)])
+        group = self._sum_group()
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        host = (sums / total).tolist()  # host sync: once per forward_backward, for logging
+        s = packed.stats
+        return StepStats(
+            loss=host[0],
+            stats=dict(zip(names, host[1:], strict=True)),
+            loss_tokens=batch.num_loss_tokens(),
+            original_tokens=s.original_tokens,
+            tree_tokens=s.tree_tokens,
+            padded_tokens=s.padded_tokens,
+            micro_batches=len(trees),
+        )
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Sequence[int]], *, tree: bool | None = None) -> list[torch.Tensor]:
+        """Per-sequence log-probs (actor, ref) or values (critic), fp32, ``len - 1`` each, on
+        the CPU, in input order, on every rank."""
+        if not batch:
+            return []
+        self.model.eval()
+        packed = self.pack(batch, tree=tree)
+        lengths = [len(s) - 1 for s in batch]
+        mine: dict[int, torch.Tensor] = {}
+        for tree_mb in packed.rank_trees(self.layout.dp_rank):
+            run = self._run(tree_mb, entropy=False)
+            part = run.out.values if self.role == "critic" else run.out.logprobs
+            assert part is not None
+            flat = part.float()
+            if run.mine_M is not None:  # context ranks: each holds some positions; add them up
+                flat = torch.zeros(run.mine_M.shape[0], device=part.device).masked_scatter_(run.mine_M, flat)
+                dist.all_reduce(flat, group=self.layout.group("cp"))
+            mine.update(unpack_sequence_tensors(tree_mb, flat.cpu(), lengths))
+        if self.layout.dp > 1:
+            gathered: list[Any] = [None] * self.layout.dp
+            dist.all_gather_object(gathered, mine, group=self.layout.group("dp"))
+            for got in gathered:
+                mine.update(got)
+        return [mine[i] for i in range(len(batch))]
+
+    # -- optimizer -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """Clip to ``max_grad_norm`` (one all-reduce, one host sync), apply AdamW with the
+        warm-up learning rate, zero the gradients; returns the norm before clipping."""
+        if self.optimizer is None or self.optim is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
+        cfg = self.optim
+        params = list(self.model.parameters())
+        norm = float(grad_norm(params, stages=self.layout.pp, device=self.layout.device))  # host sync: once per step
+        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+            scale_grads(params, cfg.max_grad_norm / (norm + 1e-6))
+        warm = cfg.warmup_steps
+        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self._refresh_sampler()
+        return norm
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
+        """DCP: every rank writes its own shards (one process: ``torch.save``)."""
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        path.mkdir(parents=True, exist_ok=True)
+        if self.layout.world_size > 1:
+            dcp_save(self._state(), checkpoint_id=str(path / self.role))
+        else:
+            torch.save(self._state(), path / f"{self.role}.pt")
+        rng = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        meta = {"steps": self.steps, "rng": rng, "extra": dict(extra), "model": self.settings.path, "engine": "archon"}
+        torch.save(meta, path / f"{self.role}-rank{self.layout.rank}.pt")
+
+    def load(self, path: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        own = path / f"{self.role}-rank{self.layout.rank}.pt"
+        if not own.exists():
+            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
+        meta = torch.load(own, weights_only=False)
+        if meta.get("model", self.settings.path) != self.settings.path or meta.get("engine") != "archon":
+            raise EngineConfigError(
+                f"checkpoint {path} was written for model {meta.get('model')!r} by the {meta.get('engine', 'fsdp')} "
+                f"engine, but this run trains {self.settings.path!r} with archon; fix: give this run a new checkpoint.dir"
+            )
+        try:
+            if self.layout.world_size > 1:
+                state = self._state()
+                dcp_load(state, checkpoint_id=str(path / self.role))
+            else:
+                state = torch.load(path / f"{self.role}.pt", weights_only=False)
+            if self.optimizer is None:
+                set_model_state_dict(self.model, state["model"])
+            else:
+                set_state_dict(
+                    self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
+        except (RuntimeError, KeyError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise EngineConfigError(
+                f"cannot resume the {self.role} from checkpoint {path}: {first}; fix: give this run a new "
+                "checkpoint.dir if that checkpoint belongs to another model or layout"
+            ) from None
+        self.steps = int(meta["steps"])
+        random.setstate(meta["rng"]["python"])
+        torch.set_rng_state(meta["rng"]["torch"])
+        if meta["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(meta["rng"]["cuda"])
+        self._refresh_sampler()
+        extra: dict[str, Any] = meta["extra"]
+        return extra
+
+    # -- Hugging Face weights ----------------------------------------------------------------
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Our full (unsharded) tensors on the CPU, on every rank (a collective per sharded tensor)."""
+        out = {}
+        for name, t in self.model.state_dict().items():
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            out[name] = full.detach().cpu()
+        return out
+
+    def export_hf(self, path: Path) -> None:
+        """Safetensors + config that transformers (and rollout servers) load; rank 0 writes,
+        every rank joins the gathers."""
+        from safetensors.torch import save_file
+
+        if self.role == "critic":
+            raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
+        state = to_hf(self.full_state(), tie_embeddings=self.args.tie_embeddings)
+        if self.layout.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            dtype = self.compute_dtype
+            save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+            config = self.source.config.to_dict()
+            config["torch_dtype"] = config["dtype"] = self.settings.dtype
+            config.setdefault("architectures", [_ARCHITECTURES[self.args.family]])
+            (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        if self.layout.world_size > 1:
+            dist.barrier()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients by parameter name (tests and parity scripts)."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                out[name] = g.detach().cpu().clone()
+        return out
+
+    # -- local rollout -----------------------------------------------------------------------
+    def sampling_model(self) -> nn.Module:
+        """A Hugging Face causal LM with this engine's weights, for local rollout (which calls
+        a model like transformers' generate loop does: attention masks, KV caches). Built on
+        first use on every rank (a collective: the full weights are gathered), refreshed in
+        place after every optimizer step and checkpoint load, so the rollout's KV-cache check
+        (parameter versions) sees the change."""
+        if self._sampler is None:
+            from transformers import AutoModelForCausalLM
+
+            config = self.source.config
+            auto: Any = AutoModelForCausalLM  # untyped
+            model = auto.from_config(config, dtype=self.compute_dtype).to(self.layout.device)
+            self._sampler = model.eval().requires_grad_(False)
+            self._refresh_sampler()
+        return self._sampler
+
+    def _refresh_sampler(self) -> None:
+        if self._sampler is None:
+            return
+        hf = to_hf(self.full_state(), tie_embeddings=False)
+        with torch.no_grad():
+            for name, p in self._sampler.state_dict().items():
+                _copy_into(p, name, hf)
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def _copy_into(target: torch.Tensor, name: str, hf: Mapping[str, torch.Tensor]) -> None:
+    """Copy the on-disk Hugging Face tensor(s) of ``name`` into transformers' in-memory one
+    (which fuses a MoE layer's experts)."""
+    if name in hf:
+        target.copy_(hf[name])
+    elif name.endswith("mlp.experts.gate_up_proj"):
+        prefix = name.removesuffix("gate_up_proj")
+        e = target.shape[0]
+        gate = torch.stack([hf[f"{prefix}{i}.gate_proj.weight"] for i in range(e)])
+        up = torch.stack([hf[f"{prefix}{i}.up_proj.weight"] for i in range(e)])
+        target.copy_(torch.cat([gate, up], dim=1))
+    elif name.endswith("mlp.experts.down_proj"):
+        prefix = name.removesuffix("down_proj")
+        target.copy_(torch.stack([hf[f"{prefix}{i}.down_proj.weight"] for i in range(target.shape[0])]))
+    else:
+        raise KeyError(f"no weights for {name}")
+
+
+def _check_layout(args: ModelArgs, layout: ArchonLayout) -> None:
+    if layout.tp > 1:
+        check_tp(args, layout.tp)
+
+
+# -- gradients -------------------------------------------------------------------------------
+
+
+def grad_norm(params: Iterable[torch.Tensor], *, stages: int = 1, device: torch.device | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients in one all-reduce over all ranks.
+
+    Each rank adds its local sums of squares divided by the number of ranks holding that same
+    tensor: the ranks of its pipeline stage (``world / stages``) over the distinct pieces of a
+    DTensor (FSDP shards, tensor-parallel shards), so every distinct piece counts once.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    holders = world // stages
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        copies = holders
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            copies = holders // math.prod(
+                g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate()
+            )
+            g = g.to_local()
+        if g.numel():
+            total += g.detach().float().pow(2).sum().to(total.device) / copies
+    if world > 1:
+        dist.all_reduce(total)
+    return total.sqrt()

@@ -1,0 +1,597 @@
+"""The Megatron engine: a megatron-core ``GPTModel`` (:mod:`.model`) over Megatron's parallel
+state (:mod:`.parallel`), trained on packed trees with our own pipeline schedule.
+
+Letters: N tree tokens (a context-parallel rank holds N / c of them), M gathered positions, h
+hidden size.
+
+Every rank holds the whole batch and packs it the same way, so every rank knows the size of
+every micro-batch: pipeline stages exchange exactly those shapes (trees of different sizes
+in one step need no padding to the largest). Data-parallel ranks run their own trees;
+tensor- and context-parallel ranks of one data-parallel rank run the same trees (a context
+parallel rank its contiguous chunk of each tree's rows).
+
+Loss scaling: every micro-batch's loss sum is divided by the batch's trained-token count,
+fixed before the micro-batch loop; gradients are then summed (not averaged) over the data x
+context parallel ranks, so the result is the gradient of the batch mean however the trees
+fall on ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from treetrain.attention import TreeAttentionMeta, resolve
+from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.fsdp.model import ModelSource, build_model
+from treetrain.engines.megatron import convert
+from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
+from treetrain.engines.megatron.model import TreeGPT, TreeInput
+from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
+from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
+from treetrain.tree import PAD_TOKEN_ID, PackConfig, PackedBatch, PackedTree, pack
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """This rank's part of one tree: its rows, the gathered positions whose row it holds
+    (``sel_M`` over the tree's M positions) and their local row and label."""
+
+    tree: PackedTree
+    input_ids_N: torch.Tensor
+    tree_input: TreeInput
+    sel_M: torch.Tensor  # bool [M]
+    pred_m: torch.Tensor  # local rows of the selected positions
+    label_m: torch.Tensor
+    num_positions: int  # M
+
+
+class MegatronEngine(Engine):
+    """Actor (log-probs), critic (values) or reference (frozen) on megatron-core."""
+
+    def __init__(
+        self,
+        model: ModelSettings | ModelSource,
+        layout: MegatronLayout,
+        tree: TreeTrainingSettings,
+        optimizer: OptimizerSettings | None = None,
+        *,
+        role: str = "actor",
+    ) -> None:
+        check_role(role)
+        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        self.settings = self.source.settings
+        self.layout = layout
+        self.tree = tree
+        self.role = role
+        self.block_size = tree.block_size
+        self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
+        self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
+        self._pack_config(tree=True)  # the packer's message for a capacity that does not fit
+        hf = self.source.config
+        self.model: TreeGPT = TreeGPT(
+            hf, role=role, recompute=self.settings.gradient_checkpointing, seed=self.settings.seed
+        )
+        self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
+        self.shape = convert.shape_of(hf, self.sizes, self.ranks)
+        self._load_weights()
+        self.model.to(layout.device)
+        self.first, self.last = self.model.pre_process, self.model.post_process
+        self.hidden_size = int(hf.hidden_size)
+        self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
+        self.optim = optimizer
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=optimizer.lr,
+                betas=(optimizer.betas[0], optimizer.betas[1]),
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+            )
+        else:
+            self.model.requires_grad_(False)
+        self.steps = 0
+        self._sampler: torch.nn.Module | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.source.config.vocab_size)
+
+    # -- weights ----------------------------------------------------------------------------
+    def _layer_offset(self) -> int:
+        layers = self.model.gpt.decoder.layers
+        return int(layers[0].layer_number) - 1 if len(layers) else 0
+
+    def _load_weights(self) -> None:
+        """Each rank reads its own slices (a directory's safetensors; a random built-in model
+        is built whole on every rank, it is tiny)."""
+        read: Any
+        if self.source.directory is not None:
+            read = convert.SafetensorsReader(self.source.directory)
+        else:
+            read = convert.StateDictReader(build_model(self.source, "actor", dtype=torch.float32).state_dict())
+        offset = self._layer_offset()
+        with torch.no_grad():
+            for name, p in self.model.gpt.named_parameters():
+                if name.startswith("output_layer.") and self.role == "critic":
+                    continue  # the value head keeps its seeded initialisation
+                value = convert.load_tensor(name, offset, read, self.shape, tied=self.tied)
+                if value.shape != p.shape:
+                    raise EngineConfigError(
+                        f"{name}: the checkpoint gives {tuple(value.shape)}, the model needs {tuple(p.shape)}"
+                    )
+                p.copy_(value)
+
+    # -- packing ----------------------------------------------------------------------------
+    def _pack_config(self, *, tree: bool) -> PackConfig:
+        return PackConfig(
+            max_tokens_per_mb=self.tree.max_tokens_per_mb,
+            block_size=self.block_size,
+            parallel_size=self.sizes["tp"] * self.sizes["cp"],
+            dp_size=self.sizes["dp"],
+            pad_to_max=self.tree.pad_to_maximum,
+            share_prefixes=tree,
+        )
+
+    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
+        use_tree = self.tree.enabled if tree is None else tree
+        return pack(sequences, self._pack_config(tree=use_tree))
+
+    def _rank_trees(self, packed: PackedBatch) -> list[PackedTree]:
+        """This data-parallel rank's trees. Under expert parallel, tokens of the same
+        micro-batch of every data-parallel rank meet in the expert layers (the allgather
+        dispatcher needs equal sizes): each micro-batch is padded to its largest over the ranks."""
+        mine = packed.rank_trees(self.ranks["dp"])
+        if self.sizes["ep"] * self.sizes["etp"] == 1:
+            return mine
+        every = [packed.rank_trees(r) for r in range(self.sizes["dp"])]
+        return [pad_tree(t, max(trees[i].padded_len for trees in every)) for i, t in enumerate(mine)]
+
+    def _chunk(self, tree: PackedTree) -> _Chunk:
+        device = self.layout.device
+        t = TreeTensors.from_tree(tree, device)
+        meta = TreeAttentionMeta.from_tree(tree, backend=self.attention, block_size=self.block_size, device=device)
+        cp, n = self.sizes["cp"], tree.padded_len
+        rows = n // cp
+        r0 = self.ranks["cp"] * rows
+        sel_M = (t.pred_M >= r0) & (t.pred_M < r0 + rows)
+        return _Chunk(
+            tree=tree,
+            input_ids_N=t.input_ids_N[r0 : r0 + rows],
+            tree_input=TreeInput(
+                meta=meta,
+                positions_N=t.position_ids_N[r0 : r0 + rows],
+                padding_N=torch.arange(r0, r0 + rows, device=device) >= tree.num_tokens,
+                row_start=r0,
+            ),
+            sel_M=sel_M,
+            pred_m=t.pred_M[sel_M] - r0,
+            label_m=t.label_M[sel_M],
+            num_positions=int(t.pred_M.shape[0]),
+        )
+
+    # -- one stage, one micro-batch ----------------------------------------------------------
+    def _stage(self, chunk: _Chunk, hidden: torch.Tensor | None) -> torch.Tensor:
+        self.model.set_input_tensor(hidden)
+        ids = chunk.input_ids_N if self.first else None
+        if self.autocast is None:
+            out: torch.Tensor = self.model(ids, chunk.tree_input)
+            return out
+        with torch.autocast(self.layout.device.type, dtype=self.autocast):
+            out = self.model(ids, chunk.tree_input)
+        return out
+
+    def _outputs(self, chunk: _Chunk, out: torch.Tensor, *, entropy: bool) -> tuple[MicroBatchOutput, torch.Tensor]:
+        """The last stage's per-position outputs (this rank's positions) and a zero that
+        touches every output row (so that backward reaches every layer and collective even
+        when this rank has no position)."""
+        anchor = out.sum() * 0.0
+        if self.role == "critic":
+            return MicroBatchOutput(values=out[chunk.pred_m].float()), anchor
+        vocab = out.shape[-1]
+        logp, ent = vocab_parallel_logprobs(
+            out,
+            chunk.pred_m,
+            chunk.label_m,
+            vocab_start=self.ranks["tp"] * vocab,
+            group=self.groups["tp"] if self.sizes["tp"] > 1 else None,
+            with_entropy=entropy,
+        )
+        return MicroBatchOutput(logprobs=logp, entropy=ent), anchor
+
+    # -- the schedule -----------------------------------------------------------------------
+    def _p2p_shape(self, chunk: _Chunk) -> tuple[int, int, int]:
+        return (chunk.tree.padded_len // self.sizes["cp"], 1, self.hidden_size)
+
+    def _schedule(self, chunks: list[_Chunk], on_output: Any, *, train: bool) -> None:
+        """All forwards, then (``train``) all backwards, GPipe style over plain p2p.
+
+        ``on_output(i, out)`` runs on the last stage and returns the scalar to backward (or
+        None). Activations cross stages in fp32 (exact, and every stage knows the dtype)."""
+        pp = self.sizes["pp"]
+        if pp == 1:
+            for i, chunk in enumerate(chunks):
+                scalar = on_output(i, self._stage(chunk, None))
+                if train:
+                    torch.autograd.backward(scalar)
+            return
+        from megatron.core import parallel_state as ps
+
+        prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+        device = self.layout.device
+        pending: list[Any] = []
+        saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for i, chunk in enumerate(chunks):
+            hidden = None
+            if not self.first:
+                hidden = torch.empty(self._p2p_shape(chunk), dtype=torch.float32, device=device)
+                dist.recv(hidden, src=prev)
+                hidden.requires_grad_(train)
+            out = self._stage(chunk, hidden)
+            if self.last:
+                out = on_output(i, out)
+            else:
+                pending.append(dist.isend(out.detach().float().contiguous(), dst=nxt))
+            saved.append((hidden, out))
+        for work in pending:
+            work.wait()
+        if not train:
+            return
+        pending = []
+        for i, (hidden, out) in enumerate(saved):
+            if self.last:
+                torch.autograd.backward(out)
+            else:
+                grad = torch.empty(self._p2p_shape(chunks[i]), dtype=torch.float32, device=device)
+                dist.recv(grad, src=nxt)
+                torch.autograd.backward(out, grad.to(out.dtype))
+            if hidden is not None:
+                assert hidden.grad is not None
+                pending.append(dist.isend(hidden.grad.contiguous(), dst=prev))
+        for work in pending:
+            work.wait()
+
+    # -- Engine -----------------------------------------------------------------------------
+    def _counts(self) -> bool:
+        """Whether this rank's loss and outputs count (one copy per data x context rank)."""
+        return self.last and self.ranks["tp"] == 0
+
+    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot train")
+        self.model.train()
+        packed = self.pack(batch.sequences, tree=tree)
+        total = max(batch.num_loss_tokens(), 1)  # fixed before the micro-batch loop
+        device = self.layout.device
+        chunks = [self._chunk(t) for t in self._rank_trees(packed)]
+        sums: dict[str, torch.Tensor] = {}
+
+        def on_output(i: int, out: torch.Tensor) -> torch.Tensor:
+            chunk = chunks[i]
+            mb_out, anchor = self._outputs(chunk, out, entropy=loss.needs_entropy)
+            mask = pack_sequence_tensors(chunk.tree, batch.loss_mask).to(device)[chunk.sel_M]
+            inputs = {k: pack_sequence_tensors(chunk.tree, v).to(device)[chunk.sel_M] for k, v in batch.tensors.items()}
+            mb_loss, stats = loss(mb_out, mask, inputs)
+            for k, v in {"loss": mb_loss, **stats}.items():
+                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach().float()
+            return (mb_loss + anchor) / total
+
+        self._schedule(chunks, on_output, train=True)
+        self._finalize_grads()
+        mine = {k: float(v) for k, v in sums.items()} if self._counts() else {}
+        host = self._sum_over_ranks(mine)
+        s = packed.stats
+        return StepStats(
+            loss=host.pop("loss", 0.0) / total,
+            stats={k: v / total for k, v in sorted(host.items())},
+            loss_tokens=batch.num_loss_tokens(),
+            original_tokens=s.original_tokens,
+            tree_tokens=s.tree_tokens,
+            padded_tokens=s.padded_tokens,
+            micro_batches=len(chunks),
+        )
+
+    def _sum_over_ranks(self, mine: dict[str, float]) -> dict[str, float]:
+        if self.layout.world_size == 1:
+            return mine
+        every: list[Any] = [None] * self.layout.world_size
+        dist.all_gather_object(every, mine)  # host figures, once per step
+        out: dict[str, float] = {}
+        for part in every:
+            for k, v in part.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Sequence[int]], *, tree: bool | None = None) -> list[torch.Tensor]:
+        """Per-sequence log-probs (actor, ref) or values (critic), fp32, on the CPU, input
+        order, on every rank."""
+        if not batch:
+            return []
+        self.model.eval()
+        packed = self.pack(batch, tree=tree)
+        lengths = [len(s) - 1 for s in batch]
+        chunks = [self._chunk(t) for t in self._rank_trees(packed)]
+        mine: dict[int, torch.Tensor] = {}
+
+        def on_output(i: int, out: torch.Tensor) -> None:
+            chunk = chunks[i]
+            mb_out, _ = self._outputs(chunk, out, entropy=False)
+            part = mb_out.values if self.role == "critic" else mb_out.logprobs
+            assert part is not None
+            flat = torch.zeros(chunk.num_positions, device=part.device)
+            flat[chunk.sel_M] = part.float()
+            if self.sizes["cp"] > 1:
+                dist.all_reduce(flat, group=self.groups["cp"])  # each position on one cp rank
+            if self._counts() and self.ranks["cp"] == 0:
+                mine.update(unpack_sequence_tensors(chunk.tree, flat.cpu(), lengths))
+
+        self._schedule(chunks, on_output, train=False)
+        if self.layout.world_size > 1:
+            every: list[Any] = [None] * self.layout.world_size
+            dist.all_gather_object(every, mine)
+            for part in every:
+                mine.update(part)
+        return [mine[i] for i in range(len(batch))]
+
+    # -- gradients and the optimizer ---------------------------------------------------------
+    def _grad_groups(self) -> dict[str, list[torch.Tensor]]:
+        """Gradients by the collective that completes them."""
+        out: dict[str, list[torch.Tensor]] = {"dp_cp": [], "edp": [], "tp": [], "tied": []}
+        for name, p in self.model.gpt.named_parameters():
+            if p.grad is None:
+                continue
+            out["edp" if _is_expert(name) else "dp_cp"].append(p.grad)
+            if "q_layernorm" in name or "k_layernorm" in name:
+                out["tp"].append(p.grad)  # each tp rank saw only its heads
+            if (
+                self.sizes["pp"] > 1
+                and self.tied
+                and name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            ):
+                out["tied"].append(p.grad)
+        return out
+
+    def _finalize_grads(self) -> None:
+        """Sum gradients over the ranks that hold copies of the same parameter."""
+        from megatron.core import parallel_state as ps
+
+        g = self._grad_groups()
+        plan = [
+            ("dp_cp", self.groups["dp_cp"]),
+            ("edp", self.groups["edp"]),
+            ("tp", self.groups["tp"]),
+            ("tied", ps.get_embedding_group() if g["tied"] else None),
+        ]
+        for key, group in plan:
+            if g[key] and group is not None and dist.get_world_size(group) > 1:
+                _all_reduce_flat(g[key], group)
+
+    def _copies(self, name: str) -> int:
+        """How many ranks hold this same parameter (and, after :meth:`_finalize_grads`, the
+        same gradient)."""
+        s = self.sizes
+        world = self.layout.world_size
+        if _is_expert(name):
+            return world // (s["pp"] * s["ep"] * s["etp"])
+        copies = world // s["pp"]
+        if convert.tp_split(name):
+            copies //= s["tp"]
+        if s["pp"] > 1 and self.tied and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            copies *= 2
+        return copies
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients, in one all-reduce over every rank: each rank
+        adds its local sums of squares divided by how many ranks hold that same tensor."""
+        total = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for name, p in self.model.gpt.named_parameters():
+            if p.grad is not None:
+                total += p.grad.detach().float().square().sum() / self._copies(name)
+        if self.layout.world_size > 1:
+            dist.all_reduce(total)
+        return total.sqrt()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        if self.optimizer is None or self.optim is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
+        cfg = self.optim
+        norm = float(self.grad_norm())  # host sync: once per step, logged too
+        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+            coef = cfg.max_grad_norm / (norm + 1e-6)
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        warm = cfg.warmup_steps
+        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self._refresh_sampler()
+        return norm
+
+    # -- checkpoints and export --------------------------------------------------------------
+    def _own_file(self, path: Path) -> Path:
+        return path / f"{self.role}-megatron-rank{self.layout.rank}.pt"
+
+    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
+        """Each rank writes its own shards, optimizer state and RNG (resume needs the same
+        backend string; :meth:`export_hf` is the layout-free copy)."""
+        path.mkdir(parents=True, exist_ok=True)
+        state = {
+            "layout": str(self.layout.allocation),
+            "model_path": self.settings.path,
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "steps": self.steps,
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            "extra": dict(extra),
+        }
+        torch.save(state, self._own_file(path))
+        if self.layout.world_size > 1:
+            dist.barrier()
+
+    def load(self, path: Path) -> dict[str, Any]:
+        own = self._own_file(path)
+        if not own.exists():
+            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by another layout or engine")
+        state = torch.load(own, weights_only=False, map_location=self.layout.device)
+        if state["model_path"] != self.settings.path or state["layout"] != str(self.layout.allocation):
+            raise EngineConfigError(
+                f"checkpoint {path} was written for {state['model_path']!r} on {state['layout']!r}, but this run "
+                f"trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
+                "checkpoint.dir (or restore the old settings)"
+            )
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None and state["optim"] is not None:
+            self.optimizer.load_state_dict(state["optim"])
+        self.steps = int(state["steps"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        self._refresh_sampler()
+        extra: dict[str, Any] = state["extra"]
+        return extra
+
+    def _pieces(self, *, grads: bool = False) -> list[convert.Piece]:
+        """This rank's Hugging Face pieces of the weights (one copy over data x context ranks)."""
+        offset = self._layer_offset()
+        dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
+        pieces: list[convert.Piece] = []
+        for name, p in self.model.gpt.named_parameters():
+            if dense or _is_expert(name):
+                pieces += convert.export_pieces(name, p, offset, self.shape, tied=self.tied)
+        return pieces
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Full Hugging Face weights on every rank (a collective)."""
+        every: list[Any] = [self._pieces()]
+        if self.layout.world_size > 1:
+            every = [None] * self.layout.world_size
+            dist.all_gather_object(every, self._pieces())
+        return convert.assemble([piece for part in every for piece in part])
+
+    def sampling_model(self) -> torch.nn.Module:
+        """A Hugging Face causal LM with this engine's weights, for local rollout (which calls
+        the model like transformers' generate loop: attention masks, KV caches). Built on first
+        use on every rank (a collective), refreshed in place after every step and load."""
+        if self._sampler is None:
+            from transformers import AutoModelForCausalLM
+
+            auto: Any = AutoModelForCausalLM  # untyped
+            model = auto.from_config(self.source.config, dtype=torch.float32).to(self.layout.device)
+            self._sampler = model.eval().requires_grad_(False)
+            self._refresh_sampler()
+        assert self._sampler is not None
+        return self._sampler
+
+    def _refresh_sampler(self) -> None:
+        if self._sampler is None:
+            return
+        state = self._full_state()
+        with torch.no_grad():
+            for name, p in self._sampler.named_parameters():
+                p.copy_(_hf_param(state, name, p))
+
+    def export_hf(self, path: Path) -> None:
+        """Full Hugging Face weights (safetensors + config): every rank's pieces go to rank 0,
+        which puts them together and writes; every rank joins."""
+        if self.role == "critic":
+            raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
+        pieces = self._pieces()
+        every: list[Any] = [None] * self.layout.world_size
+        if self.layout.world_size > 1:
+            dist.gather_object(pieces, every if self.layout.is_main else None, dst=0)
+        else:
+            every = [pieces]
+        if self.layout.is_main:
+            from safetensors.torch import save_file
+
+            state = convert.assemble([piece for part in every for piece in part])
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+            self.source.config.save_pretrained(str(path))
+        if self.layout.world_size > 1:
+            dist.barrier()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named full gradients, put together on every rank (tests)."""
+        offset = self._layer_offset()
+        dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
+        pieces: list[convert.Piece] = []
+        for name, p in self.model.gpt.named_parameters():
+            if p.grad is not None and (dense or _is_expert(name)):
+                if name.startswith("output_layer.") and self.role == "critic":
+                    pieces.append(("value_head." + name.split(".")[-1], 0, 0, 1, p.grad.detach().cpu().clone()))
+                    continue
+                # A tied head's gradient was summed into the first stage's embedding (pp > 1).
+                pieces += convert.export_pieces(name, p.grad, offset, self.shape, tied=self.tied)
+        every: list[Any] = [pieces]
+        if self.layout.world_size > 1:
+            every = [None] * self.layout.world_size
+            dist.all_gather_object(every, pieces)
+        return convert.assemble([piece for part in every for piece in part])
+
+
+def pad_tree(tree: PackedTree, length: int) -> PackedTree:
+    """``tree`` padded to ``length`` tokens (padding attends only to itself)."""
+    extra = length - tree.padded_len
+    if extra <= 0:
+        return tree
+    return dataclasses.replace(
+        tree,
+        padded_len=length,
+        input_ids=tree.input_ids + [PAD_TOKEN_ID] * extra,
+        position_ids=tree.position_ids + [0] * extra,
+        token_node=tree.token_node + [-1] * extra,
+        token_end=tree.token_end + list(range(tree.padded_len + 1, length + 1)),
+    )
+
+
+def _hf_param(state: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face parameter from per-expert weights: transformers 5 keeps a MoE layer's
+    experts fused in memory (``experts.gate_up_proj [E, 2f, h]``, ``experts.down_proj``)."""
+    if name in state:
+        return state[name]
+    base, kind = name.rsplit(".", 1)
+    count = like.shape[0]
+    if kind == "gate_up_proj":
+        return torch.stack(
+            [
+                torch.cat((state[f"{base}.{e}.gate_proj.weight"], state[f"{base}.{e}.up_proj.weight"]))
+                for e in range(count)
+            ]
+        )
+    return torch.stack([state[f"{base}.{e}.down_proj.weight"] for e in range(count)])
+
+
+def _is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,132 @@
+"""One mapping from a checked :class:`Allocation` to megatron-core's ``parallel_state``.
+
+``megatron:d2p2t2c2`` -> ``initialize_model_parallel(tp=2, pp=2, cp=2)`` (dp is what is left);
+a hybrid ``megatron:(attn:d4t2|ffn:d2t2e2)`` -> attention tp from the attn section, expert
+parallel ``e`` and expert tensor parallel (the ffn ``t``) from the ffn section. Megatron's
+parallel state is process-global: one process runs one Megatron layout, and a second engine
+with another megatron string in the same processes is refused (same string: shared).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from treetrain.alloc import Allocation
+from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.parallel import ParallelLayout, join
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronLayout(ParallelLayout):
+    """This process's place in Megatron's grid; ``mesh`` is None (groups live in parallel_state)."""
+
+    @property
+    def pp(self) -> int:
+        return self.allocation.dims.pp
+
+    @property
+    def cp(self) -> int:
+        return self.allocation.dims.cp
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return int(ps.get_data_parallel_rank())
+
+
+def megatron_sizes(allocation: Allocation) -> dict[str, int]:
+    """The keyword arguments of ``initialize_model_parallel`` for ``allocation`` (pure)."""
+    d = allocation.dims
+    return {
+        "tensor_model_parallel_size": d.tp,
+        "pipeline_model_parallel_size": d.pp,
+        "context_parallel_size": d.cp,
+        "expert_model_parallel_size": d.ep,
+        "expert_tensor_parallel_size": d.etp,
+    }
+
+
+_CURRENT: dict[str, Any] = {}  # the allocation parallel_state was built for, and its layout
+
+
+def init_megatron(allocation: Allocation, *, timeout_s: float = 1800.0) -> MegatronLayout:
+    """Join the process group (one process gets a private one: megatron-core always needs
+    one) and initialise Megatron's groups for ``allocation``, once per process."""
+    from megatron.core import parallel_state as ps
+
+    device, world = join(allocation, timeout_s=timeout_s)
+    if not dist.is_initialized():  # one process
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    if ps.model_parallel_is_initialized():
+        if _CURRENT.get("group") is dist.group.WORLD and _CURRENT.get("allocation") == allocation:
+            layout: MegatronLayout = _CURRENT["layout"]
+            return layout
+        if _CURRENT.get("group") is dist.group.WORLD:
+            raise EngineConfigError(
+                f"these processes already run {str(_CURRENT['allocation'])!r}; megatron-core keeps one parallel "
+                f"layout per process, so {str(allocation)!r} cannot join it: give every megatron role the same backend"
+            )
+        ps.destroy_model_parallel()  # left over from a destroyed default group (tests)
+    ps.initialize_model_parallel(**megatron_sizes(allocation), create_gloo_process_groups=False)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    layout = MegatronLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device, mesh=None)
+    _CURRENT.update(group=dist.group.WORLD, allocation=allocation, layout=layout)
+    return layout
+
+
+def groups() -> dict[str, Any]:
+    """The process groups the engine uses, by role."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+        "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "edp": ps.get_expert_data_parallel_group(),
+    }
+
+
+def ranks() -> dict[str, int]:
+    """This process's rank in each dimension (tests check the mapping with it)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+    }
+
+
+def sizes() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+    }
+
+
+def reset_megatron() -> None:
+    """Forget Megatron's parallel state (a process that switches layouts: tests, scripts)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    _CURRENT.clear()
