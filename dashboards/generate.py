@@ -204,6 +204,21 @@ def training() -> dashboard.Dashboard:
                 [query(f"avg by ({BY}) (treetrain_reward{{{SEL}}})", "{{namespace}}/{{rljob}}")],
             )
         )
+        .with_panel(
+            series(
+                "Rollout log-prob mismatch",
+                "|rollout server's sampling log-prob - trainer's recomputed log-prob| of the same tokens in the last "
+                "step, mean and max over response tokens: it should stay near 0 right after every weight sync.",
+                "short",
+                [
+                    query(
+                        f"max by ({BY}, stat) (treetrain_rollout_logprob_mismatch{{{SEL}}})",
+                        "{{rljob}} {{stat}}",
+                    )
+                ],
+                width=24,
+            ).min(0)
+        )
         .with_row(dashboard.Row("GPUs"))
         .with_panel(
             series(

@@ -20,6 +20,7 @@ STEP_DURATION_SECONDS = "treetrain_step_duration_seconds"
 TRAIN_TOKENS_PER_SECOND = "treetrain_train_tokens_per_second"
 STEP_TOKENS_PER_SECOND = "treetrain_step_tokens_per_second"
 STEPS_TOTAL = "treetrain_steps_total"
+ROLLOUT_LOGPROB_MISMATCH = "treetrain_rollout_logprob_mismatch"
 LOSS = "treetrain_loss"
 REWARD = "treetrain_reward"
 
@@ -36,6 +37,7 @@ NAMES = (
     STEP_DURATION_SECONDS,
     TRAIN_TOKENS_PER_SECOND,
     STEP_TOKENS_PER_SECOND,
+    ROLLOUT_LOGPROB_MISMATCH,
     STEPS_TOTAL,
     LOSS,
     REWARD,
@@ -54,6 +56,10 @@ class StepFigures:
     train_seconds: float  # the training part only
     loss: float
     reward: float
+    # |rollout engine's log-prob - trainer's recomputed log-prob| over the response tokens;
+    # None when the batch carried no sampler log-probs.
+    mismatch_mean: float | None = None
+    mismatch_max: float | None = None
 
     # Both count original (unpacked) tokens: what the step trained, however well it packed.
     @property
@@ -95,6 +101,13 @@ class TrainerMetrics:
             registry=r,
         )
         self.steps = Counter(STEPS_TOTAL.removesuffix("_total"), "Training steps completed.", registry=r)
+        self.mismatch = Gauge(
+            ROLLOUT_LOGPROB_MISMATCH,
+            "Absolute difference between the rollout servers' sampling log-probs and the trainer's recomputed "
+            "log-probs of the same tokens in the last step (stat: mean or max over response tokens).",
+            ["stat"],
+            registry=r,
+        )
         self.loss = Gauge(LOSS, "Policy loss of the last step.", registry=r)
         self.reward = Gauge(REWARD, "Mean reward of the last step's rollouts.", registry=r)
         for kind in TOKEN_KINDS:
@@ -110,6 +123,9 @@ class TrainerMetrics:
         self.train_tokens_per_second.set(fig.train_tokens_per_second)
         self.step_tokens_per_second.set(fig.step_tokens_per_second)
         self.steps.inc()
+        if fig.mismatch_mean is not None and fig.mismatch_max is not None:
+            self.mismatch.labels(stat="mean").set(fig.mismatch_mean)
+            self.mismatch.labels(stat="max").set(fig.mismatch_max)
         self.loss.set(fig.loss)
         self.reward.set(fig.reward)
 

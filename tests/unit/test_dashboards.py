@@ -31,6 +31,7 @@ CONTRACT_TRAINER = {
     "treetrain_step_duration_seconds_sum",
     "treetrain_step_duration_seconds_count",
     "treetrain_train_tokens_per_second",
+    "treetrain_rollout_logprob_mismatch",
     "treetrain_steps_total",
 }
 # docs/contracts.md's "plus loss and reward gauges", as treetrain/metrics.py names them.

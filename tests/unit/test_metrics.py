@@ -16,6 +16,7 @@ CONTRACT_NAMES = {
     "treetrain_step_duration_seconds": "histogram",
     "treetrain_train_tokens_per_second": "gauge",
     "treetrain_step_tokens_per_second": "gauge",
+    "treetrain_rollout_logprob_mismatch": "gauge",
     "treetrain_steps": "counter",  # treetrain_steps_total
     "treetrain_loss": "gauge",
     "treetrain_reward": "gauge",

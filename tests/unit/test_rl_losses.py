@@ -91,6 +91,18 @@ def test_decoupled_behaviour_weights_and_cap() -> None:
     value, stats = loss(_out([-1.0, -1.0]), torch.ones(2), inputs)
     assert float(value.detach()) == pytest.approx(-1.5)  # the token over the cap is dropped
     assert float(stats["behav_dropped"]) == 1.0
+    # The train/rollout mismatch: |trainer - sampler| per token, summed (the engine divides) and at worst.
+    assert float(stats["behav_mismatch"]) == pytest.approx(math.log(1.5) + math.log(3.0))
+    assert float(stats["behav_mismatch_max"]) == pytest.approx(math.log(3.0))
+
+
+def test_max_stats_reduce_as_maxima_and_sums_as_means() -> None:
+    from treetrain.engines.base import StatTotals
+
+    totals = StatTotals(torch.device("cpu"))
+    totals.add({"gap": torch.tensor(3.0), "gap_max": torch.tensor(0.5)})
+    totals.add({"gap": torch.tensor(1.0), "gap_max": torch.tensor(2.0)})
+    assert totals.reduce(total=4) == {"gap": 1.0, "gap_max": 2.0}
 
 
 def test_kl_needs_ref_and_is_k3() -> None:

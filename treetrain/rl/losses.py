@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from treetrain.config import LossSettings, ValueLossSettings
-from treetrain.engines.base import MicroBatchOutput
+from treetrain.engines.base import MAX_SUFFIX, MicroBatchOutput
 
 
 class LossConfigError(ValueError):
@@ -81,6 +81,11 @@ class PPOLoss:
         stats: dict[str, torch.Tensor] = {}
         if "behav_logprobs" in inputs:
             behav_M = inputs["behav_logprobs"].to(logp_M.dtype)
+            # The rollout engine's log-probs vs the trainer's recomputed ones for the same tokens:
+            # the train/rollout mismatch (a mean, and the worst token).
+            gap_M = (old_M - behav_M).abs().detach() * mask_M
+            stats["behav_mismatch"] = gap_M.sum()
+            stats["behav_mismatch" + MAX_SUFFIX] = gap_M.max() if gap_M.numel() else gap_M.new_zeros(())
             weight_M = torch.exp(old_M - behav_M)
             if cfg.behav_imp_weight_cap is not None:
                 keep_M = (weight_M <= cfg.behav_imp_weight_cap).to(logp_M.dtype)

@@ -300,6 +300,8 @@ class Trainer:
                     train_seconds=record.train_seconds,
                     loss=stats.loss,
                     reward=record.reward,
+                    mismatch_mean=stats.stats.get("behav_mismatch"),
+                    mismatch_max=stats.stats.get("behav_mismatch_max"),
                 )
             )
         return record
@@ -429,6 +431,11 @@ def format_record(rec: StepRecord, total: int) -> str:
         f"step {rec.step:>{width}}/{total} | reward {rec.reward:.3f} | loss {rec.loss:+.4f} | "
         f"tree_token_ratio {rec.tree_token_ratio:.3f} | train {rec.train_tokens_per_second:,.0f} tokens/s | "
         f"step {rec.seconds:.2f}s (rollout {rec.rollout_seconds:.2f}s, train {rec.train_seconds:.2f}s)"
+        + (
+            f" | logprob mismatch {rec.stats['behav_mismatch']:.2e} (max {rec.stats['behav_mismatch_max']:.2e})"
+            if "behav_mismatch_max" in rec.stats
+            else ""
+        )
     )
 
 

@@ -33,7 +33,16 @@ from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import SafetensorsDir, from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
 from treetrain.engines.archon.parallelize import check_tp, parallelize
-from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.base import (
+    LOSS_STAT,
+    Engine,
+    Loss,
+    MicroBatchOutput,
+    StatTotals,
+    StepStats,
+    TrainBatch,
+    check_role,
+)
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.engine import scale_grads
 from treetrain.engines.fsdp.model import ModelSource
@@ -216,8 +225,7 @@ class ArchonEngine(Engine):
         # of one sum, scaled up by the number of ranks the average divides by.
         scale = self.layout.dp * self.layout.cp / total
         device = self.layout.device
-        loss_sum = torch.zeros((), device=device)
-        stat_sums: dict[str, torch.Tensor] = {}
+        totals = StatTotals(device)
         trees = packed.rank_trees(self.layout.dp_rank)
         for tree_mb in trees:
             run = self._run(tree_mb, entropy=loss.needs_entropy)
@@ -229,19 +237,12 @@ class ArchonEngine(Engine):
             mb_loss, stats = loss(run.out, mask_M, inputs)
             extra = run.anchor if run.aux is None else run.anchor + run.aux * total / len(trees)
             torch.autograd.backward((mb_loss + extra) * scale)
-            loss_sum += mb_loss.detach()
-            for k, v in stats.items():
-                stat_sums[k] = stat_sums.get(k, torch.zeros((), device=device)) + v.detach().float()
-        names = sorted(stat_sums)
-        sums = torch.stack([loss_sum, *(stat_sums[k] for k in names)])
-        group = self._sum_group()
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        host = (sums / total).tolist()  # host sync: once per forward_backward, for logging
+            totals.add({LOSS_STAT: mb_loss, **stats})
+        host = totals.reduce(total, self._sum_group())
         s = packed.stats
         return StepStats(
-            loss=host[0],
-            stats=dict(zip(names, host[1:], strict=True)),
+            loss=host.pop(LOSS_STAT, 0.0),
+            stats=host,
             loss_tokens=batch.num_loss_tokens(),
             original_tokens=s.original_tokens,
             tree_tokens=s.tree_tokens,

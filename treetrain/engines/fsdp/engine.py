@@ -26,7 +26,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from treetrain.attention import TreeAttentionMeta, resolve, tree_forward
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
-from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.base import (
+    LOSS_STAT,
+    Engine,
+    Loss,
+    MicroBatchOutput,
+    StatTotals,
+    StepStats,
+    TrainBatch,
+    check_role,
+)
 from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_parallel
 from treetrain.engines.parallel import ParallelLayout
@@ -136,8 +145,7 @@ class FSDPEngine(Engine):
         # FSDP averages gradients over the dp ranks; each rank's loss is its share of one sum.
         scale = self.layout.dp / total
         device = self.layout.device
-        loss_sum = torch.zeros((), device=device)
-        stat_sums: dict[str, torch.Tensor] = {}
+        totals = StatTotals(device)
         trees = packed.rank_trees(self.layout.dp_rank)
         for tree_mb in trees:
             run = self._run(tree_mb, entropy=loss.needs_entropy)
@@ -145,19 +153,13 @@ class FSDPEngine(Engine):
             inputs = {k: pack_sequence_tensors(tree_mb, v).to(device) for k, v in batch.tensors.items()}
             mb_loss, stats = loss(run.out, mask_M, inputs)
             torch.autograd.backward((mb_loss + run.anchor) * scale)
-            loss_sum += mb_loss.detach()
-            for k, v in stats.items():
-                stat_sums[k] = stat_sums.get(k, torch.zeros((), device=device)) + v.detach().float()
-        names = sorted(stat_sums)
-        sums = torch.stack([loss_sum, *(stat_sums[k] for k in names)])
-        if self.layout.dp > 1:
-            assert self.layout.mesh is not None
-            dist.all_reduce(sums, group=self.layout.mesh["dp"].get_group())
-        host = (sums / total).tolist()  # host sync: once per forward_backward, for logging
+            totals.add({LOSS_STAT: mb_loss, **stats})
+        group = self.layout.mesh["dp"].get_group() if self.layout.dp > 1 and self.layout.mesh is not None else None
+        host = totals.reduce(total, group)
         s = packed.stats
         return StepStats(
-            loss=host[0],
-            stats=dict(zip(names, host[1:], strict=True)),
+            loss=host.pop(LOSS_STAT, 0.0),
+            stats=host,
             loss_tokens=batch.num_loss_tokens(),
             original_tokens=s.original_tokens,
             tree_tokens=s.tree_tokens,
