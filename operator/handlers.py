@@ -26,12 +26,35 @@ from rljob_operator.kube import Conflict, Kube
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
-from rljob_operator.reconcile import Decision, Observed, decide
+from rljob_operator.reconcile import Decision, Observed, decide, set_condition
 
 log = logging.getLogger("rljob_operator")
 
 Key = tuple[str, str]  # (namespace, name)
 RESYNC_SECONDS = 30.0
+REFUSAL_BACKOFF_SECONDS = 5.0  # a refused child is tried again after 5 s, 10 s, 20 s, ... 5 min
+MAX_REFUSAL_BACKOFF_SECONDS = 300.0
+
+
+class RefusedChild(Exception):
+    """The API server answered 4xx to a child object the operator rendered."""
+
+    def __init__(self, kind: str, name: str, status: int, message: str) -> None:
+        self.kind, self.name, self.status, self.message = kind, name, status, message
+        super().__init__(f"{kind} {name}: HTTP {status}: {message}")
+
+
+def _set_refusal(status: dict[str, Any], message: str | None) -> None:
+    """The ReconcileError condition: True with the API server's words, or False once it passes."""
+    conditions = status.setdefault("conditions", [])
+    now = datetime.now(UTC)
+    if message is None:
+        if any(c["type"] == "ReconcileError" and c["status"] == "True" for c in conditions):
+            set_condition(conditions, "ReconcileError", False, "Applied", "every child was accepted", now=now,
+                          generation=status.get("observedGeneration"))  # fmt: skip
+        return
+    set_condition(conditions, "ReconcileError", True, "ChildRefused", message, now=now,
+                  generation=status.get("observedGeneration"))  # fmt: skip
 
 
 class WorkQueue:
@@ -97,6 +120,7 @@ class Controller:
         self.metrics = metrics
         self.queue = WorkQueue()
         self.known: set[Key] = set()
+        self.refusals: dict[Key, tuple[int, str]] = {}  # RLJobs whose children the API refused: (attempts, message)
         # Set when a background task (the work queue, the resync) died: the operator would go
         # silent, so liveness fails and the process stops (the Deployment restarts it).
         self.fatal: str | None = None
@@ -162,6 +186,11 @@ class Controller:
         # deleting the failed Job still has the restart counted. A Conflict here means the
         # RLJob changed meanwhile: nothing was done yet, and the next pass reads again.
         old = rljob.get("status") or {}
+        key = (namespace, name)
+        refused_before = self.refusals.get(key)
+        if refused_before is not None:
+            # Optimistic: cleared now, set again below if the API server still refuses a child.
+            _set_refusal(decision.status, None)
         if decision.status != old:
             self.kube.patch_status(
                 namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"]
@@ -170,7 +199,11 @@ class Controller:
                 self._event(rljob, kind, reason, message)
             if decision.status.get("restarts", 0) > old.get("restarts", 0):
                 self.metrics.restarts.labels(namespace=namespace).inc()
-        self._carry_out(rljob, decision)
+        try:
+            self._carry_out(rljob, decision)
+        except RefusedChild as refused:
+            return self._refused(rljob, decision.status, refused)
+        self.refusals.pop(key, None)
         gpus = {c: a["gpus"] for c, a in decision.status.get("allocation", {}).items()}
         active = decision.status.get("phase") in ("Pending", "Running")
         self.metrics.observe(namespace, name, decision.status.get("phase"), gpus if active else {})
@@ -180,10 +213,43 @@ class Controller:
         namespace = rljob["metadata"]["namespace"]
         for kind, child in decision.delete:
             self.kube.delete(kind, namespace, child)
-        for obj in decision.apply:
-            self.kube.apply(obj)
-        for obj in decision.create_only:
-            self.kube.create_if_missing(obj)
+        for write, obj in [
+            *((self.kube.apply, o) for o in decision.apply),
+            *((self.kube.create_if_missing, o) for o in decision.create_only),
+        ]:
+            try:
+                write(obj)
+            except ApiException as exc:
+                # 4xx on an object we render is the input's fault (or ours), never transient:
+                # retrying every 5 s would loop for ever and say nothing.
+                if 400 <= exc.status < 500 and exc.status not in (408, 429) and not _terminating(exc):
+                    raise RefusedChild(obj["kind"], obj["metadata"]["name"], exc.status, _api_message(exc)) from None
+                raise
+
+    def _refused(self, rljob: dict[str, Any], status: dict[str, Any], refused: RefusedChild) -> float:
+        """Say on the RLJob what the API server refused (condition, one event per new message)
+        and look again later, backing off: other RLJobs keep being served meanwhile."""
+        meta = rljob["metadata"]
+        key = (meta["namespace"], meta["name"])
+        attempts = self.refusals.get(key, (0, ""))[0] + 1
+        message = str(refused)
+        fresh = dict(status)
+        fresh["conditions"] = [dict(c) for c in status.get("conditions", [])]
+        _set_refusal(fresh, message)
+        fresh["message"] = f"the API server refused a child: {message}"
+        self.metrics.errors.inc()
+        try:
+            current = self.kube.get("RLJob", *key)
+            if current is not None:
+                old = current.get("status") or {}
+                self.kube.patch_status(*key, merge_patch(old, fresh), current["metadata"]["resourceVersion"])
+        except Conflict:
+            pass  # the RLJob changed: the next pass reads it again
+        if self.refusals.get(key, (0, ""))[1] != message:
+            self._event(rljob, "Warning", "ChildRefused", message)
+            log.warning("%s/%s: %s", *key, message)
+        self.refusals[key] = (attempts, message)
+        return min(REFUSAL_BACKOFF_SECONDS * 2 ** (attempts - 1), MAX_REFUSAL_BACKOFF_SECONDS)
 
     def _event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         try:

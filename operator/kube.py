@@ -145,10 +145,13 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply: creates or updates, one field manager, idempotent."""
         meta = obj["metadata"]
+        # Serialised here as UTF-8 JSON (valid YAML): the client's own json.dumps escapes non-ASCII
+        # as \uXXXX surrogate pairs, which the API server's YAML reader refuses (an emoji in
+        # model.path answered 400 on every pass).
         result: dict[str, Any] = self._call(
             "PATCH",
             self._path(obj["kind"], meta["namespace"], meta["name"]),
-            body=obj,
+            body=json.dumps(obj, ensure_ascii=False).encode(),
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )

@@ -410,6 +410,33 @@ def test_what_the_trainer_would_refuse_is_refused_before_anything_is_created(
         assert not listed.items, [o.metadata.name for o in listed.items]
 
 
+def test_an_emoji_in_a_spec_string_reaches_running(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
+    # Sent as JSON with surrogate escapes, the API server's YAML reader refused every apply (400).
+    create(cluster, namespace, rljob("emoji", model={"path": "org/model-😀-é"}))
+    wait_for("emoji Running", phase_is(cluster, namespace, "emoji", "Running"))
+    cm = client.CoreV1Api(cluster.api).read_namespaced_config_map("emoji-config", namespace)
+    assert validate(read_yaml(cm.data["config.yaml"], "config.yaml")).model.path == "org/model-😀-é"
+
+
+def test_a_child_the_api_server_refuses_is_a_condition_not_silence(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    # An invalid label value in nodeSelector: the API server refuses the pod templates (422).
+    create(cluster, namespace, rljob("poison", scheduling={"nodeSelector": {"pool": "not a label value!"}}))
+
+    def refused() -> Any:
+        status = get(cluster, namespace, "poison").get("status") or {}
+        c = next((c for c in status.get("conditions", []) if c["type"] == "ReconcileError"), None)
+        return c if c and c["status"] == "True" else None
+
+    c = wait_for("ReconcileError=True", refused)
+    assert c["reason"] == "ChildRefused" and "HTTP 422" in c["message"] and "nodeSelector" in c["message"], c
+    assert "ChildRefused" in events(cluster, namespace, "poison")
+    # The operator keeps serving the others.
+    create(cluster, namespace, rljob("healthy"))
+    wait_for("healthy Running", phase_is(cluster, namespace, "healthy", "Running"))
+
+
 def test_kubectl_explain_shows_the_trainer_config(cluster: Cluster, crd: None) -> None:
     # spec.trainerConfig's schema is generated from the trainer's own models.
     out = cluster.run("kubectl", "explain", f"{PLURAL}.spec.trainerConfig.optimizer").stdout

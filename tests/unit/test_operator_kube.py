@@ -3,6 +3,7 @@ a fake client records what would be sent (no API server runs here)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rljob_operator.cli import default_bind
@@ -23,8 +24,11 @@ class _FakeClient:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.bodies: list[Any] = []
 
     def param_serialize(self, method: str, path: str, **kwargs: Any) -> tuple[Any, ...]:
+        if kwargs.get("body") is not None:
+            self.bodies.append(kwargs["body"])
         return (method, path, kwargs.get("header_params"), kwargs.get("body"), None)
 
     def call_api(self, *args: Any, **kwargs: Any) -> _Response:
@@ -46,3 +50,13 @@ def test_every_api_call_has_a_timeout() -> None:
 def test_listeners_bind_loopback_outside_a_pod() -> None:
     assert default_bind({}) == "127.0.0.1"
     assert default_bind({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == "0.0.0.0"
+
+
+def test_apply_sends_utf8_never_surrogate_escapes() -> None:
+    client = _FakeClient()
+    kube = Kube(client)  # type: ignore[arg-type]
+    obj = {"kind": "ConfigMap", "metadata": {"name": "x", "namespace": "ml"}, "data": {"model": "Qwen/😀-é"}}
+    kube.apply(obj)
+    (body,) = client.bodies
+    assert isinstance(body, bytes) and "😀".encode() in body and b"\\ud83d" not in body
+    assert json.loads(body) == obj

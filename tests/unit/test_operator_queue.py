@@ -4,12 +4,20 @@ threads at once, and never silent when the reconcile loop dies."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+import yaml
+from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.handlers import Controller, WorkQueue
 from rljob_operator.metrics import Metrics
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_adds_from_many_threads_while_the_queue_runs() -> None:
@@ -84,3 +92,61 @@ def test_a_cancelled_task_is_a_normal_stop() -> None:
 
     asyncio.run(main())
     assert controller.fatal is None
+
+
+class _FakeKube:
+    """Stands in for the API layer (no API server here): one RLJob, apply refused on demand."""
+
+    def __init__(self, rljob: dict[str, Any]) -> None:
+        self.rljob = rljob
+        self.refuse: int | None = 400
+        self.events: list[tuple[str, str, str]] = []
+        self.applied: list[str] = []
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.rljob)
+
+    def children(self, kind: str, namespace: str, rljob: str) -> list[dict[str, Any]]:
+        return []
+
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any], resource_version: str) -> None:
+        status = self.rljob.setdefault("status", {})
+        for key, value in patch.items():
+            if value is None:
+                status.pop(key, None)
+            else:
+                status[key] = value
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        if self.refuse is not None:
+            body = json.dumps({"message": f'{obj["kind"]} "{obj["metadata"]["name"]}" is invalid: data: bad bytes'})
+            raise ApiException(status=self.refuse, reason="Bad Request", body=body)
+        self.applied.append(obj["metadata"]["name"])
+
+    def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        return True
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        pass
+
+    def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
+        self.events.append((kind, reason, message))
+
+
+def test_a_child_the_api_server_refuses_is_said_on_the_rljob_with_backoff() -> None:
+    # A 4xx on a child we render is never transient: it used to be retried every 5 s for ever
+    # with nothing on the RLJob. Now: a condition with the server's words, one event, backoff.
+    rljob = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+    rljob["metadata"] = {"name": "demo", "namespace": "ml", "uid": "u", "generation": 1, "resourceVersion": "1"}
+    kube = _FakeKube(rljob)
+    controller = Controller(kube=kube, metrics=Metrics())  # type: ignore[arg-type]
+    delays = [controller.reconcile_one("ml", "demo") for _ in range(3)]
+    assert delays == [5.0, 10.0, 20.0]
+    (refused,) = [c for c in kube.rljob["status"]["conditions"] if c["type"] == "ReconcileError"]
+    assert refused["status"] == "True" and refused["reason"] == "ChildRefused"
+    assert "HTTP 400" in refused["message"] and "bad bytes" in refused["message"]
+    assert [e[1] for e in kube.events].count("ChildRefused") == 1  # one event per new message, not per pass
+    kube.refuse = None  # the user fixed the spec
+    controller.reconcile_one("ml", "demo")
+    (cleared,) = [c for c in kube.rljob["status"]["conditions"] if c["type"] == "ReconcileError"]
+    assert cleared["status"] == "False" and kube.applied and ("ml", "demo") not in controller.refusals
