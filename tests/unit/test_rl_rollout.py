@@ -41,6 +41,7 @@ class FakeServer:
         self.pause_routes = pause_routes
         self.calls: list[tuple[str, str, Any]] = []
         self.fail_first = fail_first
+        self.weight_version: Any = "default" if kind == "sglang" else None  # what a fresh server reports
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -84,7 +85,7 @@ class FakeServer:
         if path == "/health":
             return 200, {}
         if self.kind == "sglang" and path == "/model_info":
-            return 200, {"model_path": "/models/x", "weight_version": "0"}
+            return 200, {"model_path": "/models/x", "weight_version": self.weight_version}
         if path == "/v1/models":  # both serve it (SGLang has OpenAI routes too)
             return 200, {"data": [{"id": "m"}]}
         return 404, {"detail": "Not Found"}
@@ -116,6 +117,8 @@ class FakeServer:
                 return 200, {}
             if path == "/update_weights_from_disk":
                 ok = Path(body["model_path"]).is_dir()
+                if ok:
+                    self.weight_version = body["weight_version"]
                 return (200 if ok else 400), {"success": ok, "message": "", "num_paused_requests": 0}
         if self.kind == "vllm":
             if path == "/v1/completions":
@@ -132,9 +135,14 @@ class FakeServer:
                         }
                     ]
                 }
-            if path.startswith(("/pause", "/resume")):
+            if path.startswith(("/pause", "/resume", "/reset_prefix_cache")):
                 return 200, {}
             if path == "/collective_rpc":
+                if body["method"] == "set_weight_version":
+                    self.weight_version = body["kwargs"]["version"]
+                if body["method"] == "loaded_weight_version":
+                    v = self.weight_version  # vLLM's route answers results as strings, None as null
+                    return 200, {"results": [None if v is None else str(v)]}
                 return 200, {"results": [None]}
         return 404, {"detail": "Not Found"}
 
@@ -232,11 +240,48 @@ def test_sglang_weight_sync_sequence(sglang: FakeServer, tmp_path: Path) -> None
     assert sglang.paths()[-1] == "/continue_generation"  # generation resumes even after a failed load
 
 
+def weights_dir(path: Path) -> Path:
+    """A directory that passes the vLLM client's completeness check."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
 def test_vllm_weight_sync_sequence(vllm: FakeServer, tmp_path: Path) -> None:
-    VLLMRollout(endpoints=[vllm.url]).update_weights(str(tmp_path), 1)
-    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
-    body = next(b for m, p, b in vllm.calls if p == "/collective_rpc")
-    assert body == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    VLLMRollout(endpoints=[vllm.url]).update_weights(str(weights_dir(tmp_path)), 1)
+    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    reload, version = [b for m, p, b in vllm.calls if p == "/collective_rpc"]
+    assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    assert version == {"method": "set_weight_version", "kwargs": {"version": 1}}  # restarts show
+
+
+def test_vllm_never_asks_to_load_incomplete_weights(vllm: FakeServer, tmp_path: Path) -> None:
+    """A path vLLM cannot load answers 500 and breaks the server: the client checks it first."""
+    client = VLLMRollout(endpoints=[vllm.url])
+    with pytest.raises(RolloutError, match=r"missing config\.json, \*\.safetensors"):
+        client.update_weights(str(tmp_path / "missing"), 1)
+    (weights_dir(tmp_path) / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-2.safetensors"}}')
+    with pytest.raises(RolloutError, match=r"missing model-2\.safetensors"):
+        client.update_weights(str(tmp_path), 1)
+    assert vllm.calls == []
+
+
+def test_stale_servers_are_those_reporting_another_version(sglang: FakeServer, vllm: FakeServer) -> None:
+    """What a restarted server reports: SGLang /model_info's weight_version "default", our vLLM
+    extension's loaded_weight_version None; servers that cannot say are never stale."""
+    client = _mixed(sglang, vllm)
+    assert client.stale_servers(1) == [sglang.url, vllm.url]
+    sglang.weight_version, vllm.weight_version = "1", 1
+    assert client.stale_servers(1) == []
+    vllm.weight_version = None  # restarted
+    assert client.stale_servers(1) == [vllm.url]
+    old = FakeServer("vllm", pause_routes=False)
+    try:
+        assert VLLMRollout(endpoints=[old.url]).stale_servers(1) == [old.url]
+        assert VLLMRollout(endpoints=["http://127.0.0.1:1"]).stale_servers(1) == []  # cannot say
+    finally:
+        old.close()
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
@@ -244,9 +289,11 @@ def test_servers_without_pause_routes_still_reload(kind: str, tmp_path: Path) ->
     old = FakeServer(kind, pause_routes=False)
     try:
         client = SGLangRollout(endpoints=[old.url]) if kind == "sglang" else VLLMRollout(endpoints=[old.url])
-        client.update_weights(str(tmp_path), 1)
-        reload = "/update_weights_from_disk" if kind == "sglang" else "/collective_rpc"
-        assert old.paths()[-1] == reload and len(old.paths()) == 2  # the pause was tried, no resume
+        client.update_weights(str(weights_dir(tmp_path)), 1)
+        # The pause was tried, no resume (vLLM: the version recorded and the prefix cache dropped).
+        sglang = ["/pause_generation", "/update_weights_from_disk"]
+        vllm = ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
+        assert old.paths() == (sglang if kind == "sglang" else vllm)
     finally:
         old.close()
 
@@ -301,9 +348,9 @@ def test_mixed_weight_sync_and_health_reach_every_server(sglang: FakeServer, vll
     client = _mixed(sglang, vllm)
     client.wait_ready(5)
     assert sglang.paths("GET") == ["/health"] and vllm.paths("GET") == ["/health"]
-    client.update_weights(str(tmp_path), 2)
+    client.update_weights(str(weights_dir(tmp_path)), 2)
     assert sglang.paths() == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
-    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     client.forget()
     client.close()
 
@@ -314,7 +361,8 @@ def test_mixed_weight_sync_errors_surface_after_every_server_resumed(
     client = _mixed(sglang, vllm, retries=0)
     with pytest.raises(RolloutError, match="update_weights_from_disk"):
         client.update_weights(str(tmp_path / "missing"), 1)  # SGLang refuses a path that is not there
-    assert sglang.paths()[-1] == "/continue_generation" and vllm.paths()[-1] == "/resume"
+    assert sglang.paths()[-1] == "/continue_generation"
+    assert vllm.paths() == []  # vLLM checks the directory itself and is never asked
 
 
 def test_remote_client_rejects_bad_server_lists(sglang: FakeServer) -> None:

@@ -34,10 +34,11 @@ def free_port() -> int:
 
 
 class StandIn:
-    def __init__(self, kind: str, out: Path, *, join: bool = True) -> None:
+    def __init__(self, kind: str, out: Path, *, join: bool = True, port: int = 0) -> None:
         out.mkdir(parents=True, exist_ok=True)
         self.kind, self.out = kind, out
-        args = [sys.executable, str(HERE / "weight_standin.py"), kind, str(out), *([] if join else ["--no-join"])]
+        args = [sys.executable, str(HERE / "weight_standin.py"), kind, str(out), "--port", str(port)]
+        args += [] if join else ["--no-join"]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # "port N" once it listens
@@ -184,3 +185,46 @@ def test_trainer_syncs_by_broadcast_every_step(standins: list[StandIn], tmp_path
         assert set(got) == set(final)
         assert all(torch.equal(got[n], t) for n, t in final.items())
         assert server.weights(1).keys() == got.keys()
+
+
+@pytest.mark.slow
+def test_a_restarted_server_gets_the_current_weights_before_sampling(
+    standins: list[StandIn], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The vLLM stand-in restarts between two steps (same port, no weights, no version): before the
+    second step samples, the trainer finds it through the version it reports, leaves the broken
+    group, joins both servers afresh and sends version 1 again; then step 2 syncs version 2."""
+    from test_train import small
+
+    from treetrain.trainer.loop import Trainer
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sglang, vllm = standins
+    raw = small()
+    raw["rollout"] = {
+        "servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}],
+        "weightSync": {"masterPort": free_port(), "backend": "gloo", "timeoutSeconds": 60},
+    }
+    lines: list[str] = []
+    trainer = Trainer(C.validate(raw), log=lines.append)
+    try:
+        trainer.train_step(0)
+        assert trainer.client is not None and trainer.client.stale_servers(1) == []
+        port = int(vllm.url.rsplit(":", 1)[1])
+        vllm.close()
+        standins[1] = again = StandIn("vllm", tmp_path / "vllm-again", port=port)
+        assert trainer.client.stale_servers(1) == [again.url]
+        trainer.train_step(1)
+        final = trainer.actor.hf_weights()
+    finally:
+        trainer.close()
+    assert final is not None
+    assert any(f"{again.url} does not hold weight version 1" in line for line in lines), lines
+    rpcs = [b["method"] for b in again.bodies("/collective_rpc")]
+    # Ours, then the trainer's check finds it stale; it leaves the old group and joins the new one.
+    assert rpcs[:4] == ["loaded_weight_version", "loaded_weight_version", "leave_weight_group", "join_weight_group"]
+    assert again.weights(1).keys() == final.keys()  # version 1 again, before step 2 sampled
+    assert again.paths().index("/v1/completions") > again.paths().index("/resume")
+    assert all(torch.equal(again.weights(2)[n], t) for n, t in final.items())
+    assert sglang.paths().count("/init_weights_update_group") == 2  # rejoined the new group
+    assert "/destroy_weights_update_group" in sglang.paths()

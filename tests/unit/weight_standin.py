@@ -14,7 +14,10 @@ Every received tensor is saved (``OUT/weights-vN.pt``, all buckets of version N)
 compare them bit for bit; every request is appended to ``OUT/calls.jsonl``. ``--no-join``
 fails the join request with a 500 (a server that cannot reach the trainer).
 
-    python weight_standin.py KIND OUT [--no-join]     # prints "port N" once it listens
+    python weight_standin.py KIND OUT [--no-join] [--port N]     # prints "port N" once it listens
+
+A restarted stand-in (the same ``--port``) holds no weights and reports no weight version, as a
+restarted server does.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class FakeWorker(WeightSyncExtension):
         self.model_runner = _Runner(sink)
 
 
-def main(kind: str, out: Path, join: bool) -> None:
+def main(kind: str, out: Path, join: bool, port: int) -> None:
     received: dict[str, torch.Tensor] = {}
     worker = FakeWorker(received)
     state: dict[str, Any] = {"group": None, "version": None}
@@ -101,6 +104,7 @@ def main(kind: str, out: Path, join: bool) -> None:
                 received[name] = t.clone()
             if body["flush_cache"]:
                 save(body["weight_version"])
+                state["version"] = body["weight_version"]
             return 200, {"success": True, "message": ""}
         if kind == "sglang" and path == "/destroy_weights_update_group":
             wg.leave(state["group"])
@@ -110,7 +114,8 @@ def main(kind: str, out: Path, join: bool) -> None:
             result = getattr(worker, method)(**kwargs)
             if method == "receive_weights":
                 save(kwargs["version"])  # the last bucket's save holds them all
-            return 200, {"results": [result]}
+            # As vLLM's route answers: every result but None, lists and dicts as a string.
+            return 200, {"results": [result if result is None or isinstance(result, dict | list) else str(result)]}
         return 404, {"detail": "Not Found"}
 
     class Handler(BaseHTTPRequestHandler):
@@ -127,7 +132,7 @@ def main(kind: str, out: Path, join: bool) -> None:
 
         def do_GET(self) -> None:
             ok = self.path == "/health" or (kind == "sglang" and self.path == "/model_info")
-            self._reply(200 if ok else 404, {})
+            self._reply(200 if ok else 404, {"weight_version": state["version"] or "default"})
 
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
@@ -140,10 +145,11 @@ def main(kind: str, out: Path, join: bool) -> None:
                 status, reply = 500, {"error": f"{type(err).__name__}: {err}"}
             self._reply(status, reply)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"port {server.server_port}", flush=True)
     server.serve_forever()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), "--no-join" not in sys.argv)
+    port = int(sys.argv[sys.argv.index("--port") + 1]) if "--port" in sys.argv else 0
+    main(sys.argv[1], Path(sys.argv[2]), "--no-join" not in sys.argv, port)

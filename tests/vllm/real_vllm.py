@@ -8,11 +8,12 @@ root would let ``operator/`` shadow the standard library's ``operator``. The ser
 session of its own, killed whole (it and its children) by :meth:`VLLMServer.stop`, and dies with
 the process that started it (``PR_SET_PDEATHSIG``) if that one is killed first.
 
-    python tests/vllm/server.py     # start one by hand, print its URL, stop on Ctrl-C
+    python tests/vllm/real_vllm.py     # start one by hand, print its URL, stop on Ctrl-C
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -129,7 +130,7 @@ class VLLMServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - only prctl, before exec
+                preexec_fn=_die_with_parent,
             )
 
     def wait_healthy(self, timeout_s: float) -> float:
@@ -153,10 +154,8 @@ class VLLMServer:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait(timeout=60)
 
     def tail(self, lines: int = 60) -> str:

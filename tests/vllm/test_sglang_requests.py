@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from real_vllm import BUILD_HINT, venv_python
 
 from treetrain.rl.rollout import BucketRequest, GroupRequest, SamplingParams, SGLangRollout
-
-from .server import BUILD_HINT, venv_python
 
 # Route -> the request class its handler takes (sglang/srt/entrypoints/http_server.py).
 ROUTES = {
@@ -76,7 +75,9 @@ def _sent() -> list[tuple[str, dict[str, Any]]]:
     group = GroupRequest(address="10.0.0.1", port=29600, world_size=2, name="g", backend="nccl", timeout_s=60)
     client.join_group("http://sglang", group, 1)
     assert client.pause("http://sglang")
-    bucket = BucketRequest(group=group, names=["w"], dtypes=["bfloat16"], shapes=[[2, 2]], version=2, first=True, last=True)
+    bucket = BucketRequest(
+        group=group, names=["w"], dtypes=["bfloat16"], shapes=[[2, 2]], version=2, first=True, last=True
+    )
     client.receive_bucket("http://sglang", bucket)
     client.resume("http://sglang")
     client.leave_group("http://sglang", group)

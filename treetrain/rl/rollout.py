@@ -10,6 +10,7 @@ servers: :func:`remote_client` gives each endpoint a client of its own server's 
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json
 import time
@@ -19,6 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 KINDS = ("local", "sglang", "vllm")
@@ -32,6 +34,15 @@ _NO_ENDPOINTS = "no rollout servers: set rollout.servers or TREETRAIN_ROLLOUT_EN
 
 class RolloutError(RuntimeError):
     """A rollout server that cannot be reached or answered wrongly."""
+
+
+class Unknown(enum.Enum):
+    """A server that cannot report which weights it holds."""
+
+    UNKNOWN = "unknown"
+
+
+UNKNOWN = Unknown.UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,10 @@ class RolloutClient(ABC):
 
     def forget(self) -> None:  # noqa: B027
         """Drop what was kept between the calls of one batch (local rollout: the KV cache)."""
+
+    def stale_servers(self, version: int) -> list[str]:
+        """Servers that report weights other than ``version`` (restarted since the last sync)."""
+        return []
 
 
 # -- local ------------------------------------------------------------------------------
@@ -381,6 +396,15 @@ class HTTPRollout(RolloutClient):
     def _each(self, fn: Callable[[str], None]) -> None:
         _in_parallel(fn, self.endpoints)
 
+    def loaded_version(self, endpoint: str) -> int | Unknown | None:
+        """The weight version the server reports (None: the weights it started with); UNKNOWN when
+        it cannot say (then no restart is detected)."""
+        return UNKNOWN
+
+    def stale_servers(self, version: int) -> list[str]:
+        found = _in_parallel(self.loaded_version, self.endpoints)
+        return [ep for ep, v in zip(self.endpoints, found, strict=True) if v is not UNKNOWN and v != version]
+
     def sync_targets(self) -> list[tuple[HTTPRollout, str]]:
         """Every endpoint with the client that speaks its dialect (distributed weight sync)."""
         return [(self, ep) for ep in self.endpoints]
@@ -496,6 +520,17 @@ class SGLangRollout(HTTPRollout):
 
         self._each(one)
 
+    def loaded_version(self, endpoint: str) -> int | Unknown | None:
+        # Both weight updates set it (weight_version); a server starts with "default".
+        try:
+            info = self.call(endpoint, "GET", "/model_info")
+        except RolloutError:
+            return UNKNOWN
+        version = info.get("weight_version", UNKNOWN) if isinstance(info, dict) else UNKNOWN
+        if version is UNKNOWN:
+            return UNKNOWN
+        return int(version) if str(version).isdigit() else None
+
     def pause(self, endpoint: str) -> bool:
         return self.optional(endpoint, "POST", "/pause_generation", {"mode": "abort"})
 
@@ -574,6 +609,9 @@ class VLLMRollout(HTTPRollout):
 
     def update_weights(self, path: str, version: int) -> None:
         # vLLM has no disk-reload route; its dev-mode collective_rpc calls the workers' reload_weights.
+        # A path it cannot load answers 500 and leaves the server broken: check it first.
+        check_weights_dir(path)
+
         def one(ep: str) -> None:
             # /pause and /resume came after /collective_rpc: without them the reload runs unpaused.
             paused = self.optional(ep, "POST", "/pause?mode=keep", None)
@@ -584,6 +622,10 @@ class VLLMRollout(HTTPRollout):
                     "/collective_rpc",
                     {"method": "reload_weights", "kwargs": {"weights_path": path}},
                 )
+                # Our worker extension, when the server has it, remembers the version (restarts show).
+                self._try_rpc(ep, "set_weight_version", {"version": version})
+                # Cached prefixes hold keys and values of the old weights (the real server served them).
+                self.call(ep, "POST", "/reset_prefix_cache", None)
             finally:
                 if paused:
                     self.call(ep, "POST", "/resume", None)
@@ -597,6 +639,24 @@ class VLLMRollout(HTTPRollout):
         # Cached prefixes hold keys and values of the old weights: drop them before sampling again.
         self.call(endpoint, "POST", "/reset_prefix_cache", None)
         self.call(endpoint, "POST", "/resume", None)
+
+    def loaded_version(self, endpoint: str) -> int | Unknown | None:
+        ok, res = self._try_rpc(endpoint, "loaded_weight_version", {})
+        if not ok or not isinstance(res, dict) or not res.get("results"):
+            return UNKNOWN  # no worker extension: the server cannot say
+        # vLLM answers every result but None, lists and dicts as a string: "3".
+        versions = {int(v) if str(v).isdigit() else None for v in res["results"]}
+        return versions.pop() if len(versions) == 1 else None  # workers that disagree: send them all again
+
+    def _try_rpc(self, endpoint: str, method: str, kwargs: dict[str, Any]) -> tuple[bool, Any]:
+        """One ``/collective_rpc`` without retries: (False, None) when it fails (no such method)."""
+        try:
+            status, res = self.transport(
+                "POST", endpoint + "/collective_rpc", {"method": method, "kwargs": kwargs}, 30.0
+            )
+        except OSError:
+            return False, None
+        return status == 200, res
 
     def _rpc(self, endpoint: str, method: str, kwargs: dict[str, Any], timeout_s: float) -> Any:
         """One method of our worker extension on every worker of the server (``/collective_rpc``)."""
@@ -628,6 +688,23 @@ class VLLMRollout(HTTPRollout):
             "last": bucket.last,
         }
         self._rpc(endpoint, "receive_weights", kwargs, bucket.group.timeout_s)
+
+
+def check_weights_dir(path: str) -> None:
+    """A Hugging Face weights directory a server can load: config.json, safetensors, and every
+    shard its index lists."""
+    root = Path(path)
+    missing = [] if (root / "config.json").is_file() else ["config.json"]
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing += sorted(n for n in shards if not (root / n).is_file())
+    elif not root.is_dir() or not any(root.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise RolloutError(
+            f"weights at {path} are incomplete (missing {', '.join(missing)}): not asking the servers to load them"
+        )
 
 
 def probe_kind(endpoint: str, transport: Transport = http_json) -> str:
@@ -691,6 +768,9 @@ class MixedRollout(RolloutClient):
     def wait_ready(self, timeout_s: float) -> None:
         # At once, so the servers share one deadline rather than each kind getting timeout_s in turn.
         _in_parallel(lambda c: c.wait_ready(timeout_s), self.clients)
+
+    def stale_servers(self, version: int) -> list[str]:
+        return [ep for found in _in_parallel(lambda c: c.stale_servers(version), self.clients) for ep in found]
 
     def close(self) -> None:
         for c in self.clients:

@@ -93,5 +93,10 @@ class WeightSyncExtension:
         return sum(s.nbytes for s in specs)
 
     def loaded_weight_version(self) -> int | None:
-        """The version of the last weights received (None: the ones the server started with)."""
+        """The version of the last weights loaded (None: the ones the server started with); a
+        server that restarted answers None, so the trainer sends its weights again."""
         return self.weight_version
+
+    def set_weight_version(self, version: int | str) -> None:
+        """Record the version of weights loaded another way (vLLM's own ``reload_weights``)."""
+        self.weight_version = int(version)

