@@ -89,6 +89,21 @@ class Loss(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
+def adamw(model: torch.nn.Module, settings: Any) -> torch.optim.Optimizer | None:
+    """The optimizer every engine trains with (``settings``: an ``OptimizerSettings``, or None
+    for a forward-only engine, whose parameters then need no gradient)."""
+    if settings is None:
+        model.requires_grad_(False)
+        return None
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=settings.lr,
+        betas=(settings.betas[0], settings.betas[1]),
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+    )
+
+
 MAX_SUFFIX = "_max"  # a loss stat named like this is a maximum over tokens, not a sum
 LOSS_STAT = " loss"  # the loss itself, reduced with the stats (a name no loss stat takes)
 

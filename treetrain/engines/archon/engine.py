@@ -41,6 +41,7 @@ from treetrain.engines.base import (
     StatTotals,
     StepStats,
     TrainBatch,
+    adamw,
     check_role,
 )
 from treetrain.engines.errors import EngineConfigError
@@ -90,17 +91,7 @@ class ArchonEngine(Engine):
         self.param_dtype = torch.float32 if sharded and self.compute_dtype != torch.float32 else self.compute_dtype
         self.model: nn.Module = self._build()
         self.optim = optimizer
-        self.optimizer: torch.optim.Optimizer | None = None
-        if optimizer is not None:
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=optimizer.lr,
-                betas=(optimizer.betas[0], optimizer.betas[1]),
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-            )
-        else:
-            self.model.requires_grad_(False)
+        self.optimizer = adamw(self.model, optimizer)
         self.steps = 0
         self._sampler: nn.Module | None = None
 

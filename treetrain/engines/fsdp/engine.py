@@ -34,6 +34,7 @@ from treetrain.engines.base import (
     StatTotals,
     StepStats,
     TrainBatch,
+    adamw,
     check_role,
 )
 from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
@@ -77,17 +78,7 @@ class FSDPEngine(Engine):
         self._pack_config(tree=True)
         self.model: nn.Module = build_parallel(self.source, role, layout)
         self.optim = optimizer
-        self.optimizer: torch.optim.Optimizer | None = None
-        if optimizer is not None:
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=optimizer.lr,
-                betas=(optimizer.betas[0], optimizer.betas[1]),
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-            )
-        else:
-            self.model.requires_grad_(False)
+        self.optimizer = adamw(self.model, optimizer)
         self.steps = 0
 
     @property
