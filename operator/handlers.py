@@ -336,7 +336,15 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     async def child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         controller.queue.add((namespace or "default", labels[LABEL_RLJOB]))
 
-    for group, version, plural in (("", "v1", "pods"), ("batch", "v1", "jobs"), ("apps", "v1", "statefulsets")):
+    # Every kind of child is watched: one deleted by hand is recreated at once, not at the resync.
+    children_kinds = (
+        ("", "v1", "pods"),
+        ("", "v1", "services"),
+        ("", "v1", "configmaps"),
+        ("batch", "v1", "jobs"),
+        ("apps", "v1", "statefulsets"),
+    )
+    for group, version, plural in children_kinds:
         kopf.on.event(group, version, plural, labels=children, registry=registry)(child_changed)
     return registry
 
