@@ -589,9 +589,31 @@ def _headless_service(
     }
 
 
+# Pods run under the "restricted" Pod Security Standard: a non-root user (the images run as uid
+# 1000), no privilege escalation, no capabilities, the runtime's seccomp profile. fsGroup makes
+# claims writable for that user. Nothing in the pods talks to the API: no ServiceAccount token.
+POD_SECURITY: dict[str, Any] = {"runAsNonRoot": True, "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# CPU and memory requests keep the pods out of the BestEffort class (first to be evicted); no
+# limits: a model's host memory is not known here and an OOM kill would lose the step.
+POD_REQUESTS = {"cpu": "2", "memory": "8Gi"}
+SHM_SIZE = "16Gi"  # the memory-backed /dev/shm (NCCL, dataloaders) counts against the pod's memory
+# SIGTERM to SIGKILL: a trainer finishes its step and writes a checkpoint; a server drains.
+TRAINER_GRACE_SECONDS = 900
+ROLLOUT_GRACE_SECONDS = 60
+
+
+def _resources(gpu: str, count: int) -> dict[str, Any]:
+    return {"limits": {gpu: str(count)}, "requests": {**POD_REQUESTS, gpu: str(count)}}
+
+
 def _pod_scheduling(plan: Plan) -> dict[str, Any]:
     s = plan.spec.scheduling
-    out: dict[str, Any] = {"enableServiceLinks": False}
+    out: dict[str, Any] = {
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": dict(POD_SECURITY),
+    }
     if s.node_selector:
         out["nodeSelector"] = dict(s.node_selector)
     if s.tolerations:
@@ -616,7 +638,7 @@ def _volumes(
     plan: Plan, *, checkpoints: bool, read_only: bool = False
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = plan.spec
-    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.model.volume is not None:
         claim = spec.model.volume
@@ -667,7 +689,8 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
         "command": command,
         "env": env,
         "ports": [{"name": "http", "containerPort": engine.port}],
-        "resources": {"limits": {gpu: str(comp.pods.gpus_per_pod)}, "requests": {gpu: str(comp.pods.gpus_per_pod)}},
+        "resources": _resources(gpu, comp.pods.gpus_per_pod),
+        "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts,
         # Model loading can take many minutes; the startup probe covers it.
         "startupProbe": {
@@ -689,7 +712,12 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": {**labels(plan, "rollout"), LABEL_ENGINE: name, **gang_labels}},
-                "spec": {**_pod_scheduling(plan), "containers": [container], "volumes": volumes},
+                "spec": {
+                    **_pod_scheduling(plan),
+                    "terminationGracePeriodSeconds": ROLLOUT_GRACE_SECONDS,
+                    "containers": [container],
+                    "volumes": volumes,
+                },
             },
         },
     }
@@ -759,7 +787,8 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
             {"name": "rdzv", "containerPort": spec.master_port},
             *_sync_ports(plan, "containerPort"),
         ],
-        "resources": {"limits": {gpu: str(nproc)}, "requests": {gpu: str(nproc)}},
+        "resources": _resources(gpu, nproc),
+        "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts,
     }
     pod_meta: dict[str, Any] = {"labels": {**labels(plan, comp.role), **gang_labels, LABEL_RESTART: str(restart)}}
@@ -782,6 +811,7 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
                     **_pod_scheduling(plan),
                     "subdomain": service,
                     "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": TRAINER_GRACE_SECONDS,
                     "containers": [container],
                     "volumes": volumes,
                 },

@@ -457,6 +457,19 @@ def test_a_service_or_configmap_deleted_by_hand_comes_back_at_once(
     print(f"recreated after {time.monotonic() - started:.1f} s")
 
 
+def test_rljobs_run_in_a_restricted_namespace(cluster: Cluster, operator: RunningOperator) -> None:
+    # The "restricted" Pod Security Standard refused every pod before (the RLJob stayed Pending).
+    name = "restricted-psa"
+    meta = client.V1ObjectMeta(name=name, labels={"pod-security.kubernetes.io/enforce": "restricted"})
+    core = client.CoreV1Api(cluster.api)
+    core.create_namespace(client.V1Namespace(metadata=meta))
+    try:
+        create(cluster, name, rljob("locked"))
+        wait_for("locked Running under restricted Pod Security", phase_is(cluster, name, "locked", "Running"))
+    finally:
+        core.delete_namespace(name)
+
+
 def test_kubectl_explain_shows_the_trainer_config(cluster: Cluster, crd: None) -> None:
     # spec.trainerConfig's schema is generated from the trainer's own models.
     out = cluster.run("kubectl", "explain", f"{PLURAL}.spec.trainerConfig.optimizer").stdout

@@ -467,3 +467,23 @@ def test_two_rljobs_never_share_a_child_name(base: str, extra: list[str], tail: 
         except PlanError:
             return  # a name the planner refuses creates nothing
     assert not _child_names(plans[0]) & _child_names(plans[1])
+
+
+def test_every_pod_is_hardened() -> None:
+    """Restricted Pod Security: non-root, no privilege escalation, no capabilities, RuntimeDefault
+    seccomp; no ServiceAccount token; cpu/memory requests (not BestEffort); a bounded /dev/shm;
+    a grace period long enough to finish the step and checkpoint."""
+    p = plan(manifest(rollout={"backend": "sglang:d2t16"}, critic={}, trainerConfig={"algorithm": "ppo"}))
+    templates = {o["kind"]: o["spec"]["template"]["spec"] for o in p.objects if o["kind"] in ("Job", "StatefulSet")}
+    assert set(templates) == {"Job", "StatefulSet"}
+    for kind, pod in templates.items():
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = pod["containers"]
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+        requests = container["resources"]["requests"]
+        assert requests["cpu"] and requests["memory"], kind
+        (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+    assert templates["Job"]["terminationGracePeriodSeconds"] >= 600
