@@ -14,10 +14,11 @@ RULES: list[dict[str, Any]] = [
     # RLJobs: watched, read fresh, deleted after their TTL; the status is ours to write.
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": [*_WATCH, "delete"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
-    # Children: server-side applied (patch), created once (Jobs), deleted on suspend/restart.
+    # Children: server-side applied (patch; create when new), watched; Jobs are only created
+    # (their pod template is immutable) and deleted on restart.
     {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": [*_WATCH, "create", "patch"]},
     {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": [*_WATCH, "create", "patch", "delete"]},
-    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": [*_WATCH, "create", "patch", "delete"]},
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": [*_WATCH, "create", "delete"]},
     # Pods are only observed (phase, scheduling, failures).
     {"apiGroups": [""], "resources": ["pods"], "verbs": _WATCH},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

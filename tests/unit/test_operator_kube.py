@@ -60,3 +60,22 @@ def test_apply_sends_utf8_never_surrogate_escapes() -> None:
     (body,) = client.bodies
     assert isinstance(body, bytes) and "😀".encode() in body and b"\\ud83d" not in body
     assert json.loads(body) == obj
+
+
+def test_rbac_grants_exactly_the_calls_the_code_makes() -> None:
+    """The verbs each kind needs, from what the operator does with it (kube.py, handlers.py):
+    server-side apply (patch, and create for a new object), create-only (Jobs), delete, reads
+    (get/list) and kopf's watches. Nothing more: a verb no code uses is a grant to remove."""
+    from rljob_operator.rbac import RULES
+
+    applied = {"configmaps", "services", "statefulsets"}  # Decision.apply kinds
+    created = {"jobs"}  # Decision.create_only
+    deleted = {"jobs", "statefulsets", "rljobs"}  # restarts, suspend, TTL
+    watched = {"rljobs", "pods", "jobs", "statefulsets", "services", "configmaps"}  # kopf handlers
+    expected: dict[str, set[str]] = {}
+    for kinds, verbs in ((applied, {"patch", "create"}), (created, {"create"}), (deleted, {"delete"}),
+                         (watched, {"get", "list", "watch"})):  # fmt: skip
+        for kind in kinds:
+            expected.setdefault(kind, set()).update(verbs)
+    granted = {res: set(rule["verbs"]) for rule in RULES for res in rule["resources"] if res in expected}
+    assert granted == expected
