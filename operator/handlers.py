@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from rljob_operator.kube import Conflict, Kube
+from rljob_operator.kube import Conflict, Kube, NotOurs
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
@@ -41,7 +41,7 @@ class RefusedChild(Exception):
 
     def __init__(self, kind: str, name: str, status: int, message: str) -> None:
         self.kind, self.name, self.status, self.message = kind, name, status, message
-        super().__init__(f"{kind} {name}: HTTP {status}: {message}")
+        super().__init__(f"{kind} {name}: HTTP {status}: {message}" if status else message)
 
 
 def _set_refusal(status: dict[str, Any], message: str | None) -> None:
@@ -219,6 +219,8 @@ class Controller:
         ]:
             try:
                 write(obj)
+            except NotOurs as taken:
+                raise RefusedChild(taken.kind, taken.name, 0, str(taken)) from None
             except ApiException as exc:
                 # 4xx on an object we render is the input's fault (or ours), never transient:
                 # retrying every 5 s would loop for ever and say nothing.
@@ -249,7 +251,7 @@ class Controller:
             self._event(rljob, "Warning", "ChildRefused", message)
             log.warning("%s/%s: %s", *key, message)
         self.refusals[key] = (attempts, message)
-        return min(REFUSAL_BACKOFF_SECONDS * 2 ** (attempts - 1), MAX_REFUSAL_BACKOFF_SECONDS)
+        return float(min(REFUSAL_BACKOFF_SECONDS * 2.0 ** (attempts - 1), MAX_REFUSAL_BACKOFF_SECONDS))
 
     def _event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         try:

@@ -39,6 +39,24 @@ class Conflict(Exception):
     """The API server answered 409 (a concurrent writer); retry later."""
 
 
+class NotOurs(Exception):
+    """A child's name is taken by an object this RLJob did not create."""
+
+    def __init__(self, kind: str, name: str, owner: str | None) -> None:
+        self.kind, self.name = kind, name
+        whose = f"owned by another object (uid {owner})" if owner else "not created by the operator"
+        super().__init__(
+            f"{kind} {name} already exists and is {whose}; it is left untouched. Fix: rename the RLJob, "
+            f"or delete or rename that {kind}"
+        )
+
+
+def _owner_uid(obj: dict[str, Any]) -> str | None:
+    """The uid of the controlling owner (the RLJob, for our children)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+
 @dataclass(frozen=True)
 class Credentials:
     """What kopf needs to log in with the same identity as this client."""
@@ -67,7 +85,10 @@ def load_client(kubeconfig: str | None = None) -> tuple[ApiClient, bool]:
 class Kube:
     def __init__(self, client: ApiClient, *, in_cluster: bool = False) -> None:
         self.client = client
-        self.in_cluster = in_cluster  # kopf then reads the (rotating) ServiceAccount token itself
+        self.in_cluster = in_cluster
+        self._ours: set[tuple[str, str, str, str | None]] = (
+            set()
+        )  # (kind, ns, name, owner uid) checked  # kopf then reads the (rotating) ServiceAccount token itself
 
     def credentials(self) -> Credentials:
         c = self.client.configuration
@@ -143,8 +164,19 @@ class Kube:
     # -- writes ----------------------------------------------------------------
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply: creates or updates, one field manager, idempotent."""
+        """Server-side apply: creates or updates, one field manager, idempotent; but never an
+        object someone else made. A forced apply would take over an existing ``app-config``
+        ConfigMap, give it this RLJob as owner, and the garbage collector would delete it with
+        the RLJob: an object of that name that this RLJob does not own is :class:`NotOurs`.
+        Ownership is checked once per object (then remembered), so a steady state costs one
+        request per child."""
         meta = obj["metadata"]
+        key = (obj["kind"], meta["namespace"], meta["name"], _owner_uid(obj))
+        if key not in self._ours:
+            current = self.get(obj["kind"], meta["namespace"], meta["name"])
+            if current is not None and _owner_uid(current) != key[3]:
+                raise NotOurs(obj["kind"], meta["name"], _owner_uid(current))
+            self._ours.add(key)
         # Serialised here as UTF-8 JSON (valid YAML): the client's own json.dumps escapes non-ASCII
         # as \uXXXX surrogate pairs, which the API server's YAML reader refuses (an emoji in
         # model.path answered 400 on every pass).

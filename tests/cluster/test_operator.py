@@ -470,6 +470,32 @@ def test_rljobs_run_in_a_restricted_namespace(cluster: Cluster, operator: Runnin
         core.delete_namespace(name)
 
 
+def test_an_object_it_did_not_create_is_never_taken_over(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    # RLJob "app" used to take over ConfigMap "app-config": its owner, then garbage-collected with it.
+    core = client.CoreV1Api(cluster.api)
+    theirs = client.V1ConfigMap(metadata=client.V1ObjectMeta(name="app-config"), data={"keep": "me"})
+    core.create_namespaced_config_map(namespace, theirs)
+    create(cluster, namespace, rljob("app"))
+
+    def refused() -> Any:
+        status = get(cluster, namespace, "app").get("status") or {}
+        c = next((c for c in status.get("conditions", []) if c["type"] == "ReconcileError"), None)
+        return c if c and c["status"] == "True" else None
+
+    c = wait_for("ReconcileError for the taken name", refused)
+    assert "ConfigMap app-config already exists" in c["message"] and "rename the RLJob" in c["message"], c
+    cm = core.read_namespaced_config_map("app-config", namespace)
+    assert cm.data == {"keep": "me"} and not cm.metadata.owner_references
+    custom(cluster).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "app")
+    wait_for("RLJob app gone", lambda: not any(
+        o["metadata"]["name"] == "app"
+        for o in custom(cluster).list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+    ))  # fmt: skip
+    assert core.read_namespaced_config_map("app-config", namespace).data == {"keep": "me"}
+
+
 def test_kubectl_explain_shows_the_trainer_config(cluster: Cluster, crd: None) -> None:
     # spec.trainerConfig's schema is generated from the trainer's own models.
     out = cluster.run("kubectl", "explain", f"{PLURAL}.spec.trainerConfig.optimizer").stdout

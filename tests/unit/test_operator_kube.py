@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from rljob_operator.cli import default_bind
-from rljob_operator.kube import REQUEST_TIMEOUT, Kube
+from rljob_operator.kube import REQUEST_TIMEOUT, Kube, NotOurs
 
 
 class _Response:
@@ -79,3 +81,52 @@ def test_rbac_grants_exactly_the_calls_the_code_makes() -> None:
             expected.setdefault(kind, set()).update(verbs)
     granted = {res: set(rule["verbs"]) for rule in RULES for res in rule["resources"] if res in expected}
     assert granted == expected
+
+
+class _Scripted(_FakeClient):
+    """A fake client that answers GETs with a given object (or 404) and records the calls."""
+
+    def __init__(self, existing: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.existing = existing
+        self.methods: list[str] = []
+
+    def param_serialize(self, method: str, path: str, **kwargs: Any) -> tuple[Any, ...]:
+        self.methods.append(method)
+        return super().param_serialize(method, path, **kwargs)
+
+    def call_api(self, *args: Any, **kwargs: Any) -> _Response:
+        response = _Response()
+        if args[0] == "GET":
+            if self.existing is None:
+                response.status, response.data = 404, b'{"message": "not found"}'
+            else:
+                response.data = json.dumps(self.existing).encode()
+        return response
+
+
+def _child(uid: str | None) -> dict[str, Any]:
+    refs = [{"apiVersion": "treetrain.dev/v1alpha1", "kind": "RLJob", "name": "app", "uid": uid, "controller": True}]
+    return {
+        "kind": "ConfigMap",
+        "metadata": {"name": "app-config", "namespace": "ml", "ownerReferences": refs if uid else []},
+    }
+
+
+def test_apply_never_takes_over_an_object_it_did_not_create() -> None:
+    # A forced apply took over ConfigMap "app-config" of someone else, gave it the RLJob as owner,
+    # and the garbage collector deleted it with the RLJob.
+    for existing in (_child(None), _child("someone-else")):
+        client = _Scripted(existing)
+        kube = Kube(client)  # type: ignore[arg-type]
+        with pytest.raises(NotOurs, match="ConfigMap app-config already exists"):
+            kube.apply(_child("rljob-uid"))
+        assert client.methods == ["GET"]  # nothing written
+    client = _Scripted(_child("rljob-uid"))  # ours: applied, and checked only once
+    kube = Kube(client)  # type: ignore[arg-type]
+    kube.apply(_child("rljob-uid"))
+    kube.apply(_child("rljob-uid"))
+    assert client.methods == ["GET", "PATCH", "PATCH"]
+    new = _Scripted(None)  # not there yet: created by the apply
+    Kube(new).apply(_child("rljob-uid"))  # type: ignore[arg-type]
+    assert new.methods == ["GET", "PATCH"]
