@@ -7,7 +7,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -59,8 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _load(path: str) -> Any:
-    text = sys.stdin.read() if path == "-" else Path(path).read_text()
-    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    from treetrain.config.load import MAX_YAML_BYTES, ConfigError, read_yaml_documents
+
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    with stream:
+        text = stream.read(MAX_YAML_BYTES + 1)  # never more than the bound into memory
+    try:
+        docs = read_yaml_documents(text, path)
+    except ConfigError as err:
+        raise ValueError(err.problems[0][1].removeprefix(f"{path}: ")) from None
     if len(docs) != 1:
         raise ValueError(f"expected one YAML document, found {len(docs)}")
     return docs[0]

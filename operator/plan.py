@@ -24,7 +24,7 @@ from rljob_operator.models import GROUP, KIND, RESERVED_ENGINE_NAMES, VERSION, C
 from rljob_operator.servers import multi_node_command, server_argv, server_env, vllm_weight_sync
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
-from treetrain.config.load import value_problem
+from treetrain.config.load import field_name, value_problem
 
 MANAGED_BY = "rljob-operator"
 LABEL_RLJOB = f"{GROUP}/rljob"
@@ -301,7 +301,7 @@ def _check_name(name: str) -> list[FieldError]:
 
 
 def _pydantic_error(error: Any) -> FieldError:
-    path = ".".join(str(p) for p in ("spec", *error["loc"]))
+    path = ".".join(field_name(p) for p in ("spec", *error["loc"]))
     if error["type"] == "missing":
         return FieldError(path, "is required")
     if error["type"] == "extra_forbidden":

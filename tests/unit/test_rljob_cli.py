@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -133,3 +137,56 @@ def test_reference_doc_lists_every_field() -> None:
     assert doc[begin:end] == reference_table(), (
         "docs/rljob-reference.md is stale: paste rljob_operator.crd.reference_table() between the markers"
     )
+
+
+BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+    + "".join(
+        f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+    )
+    + "spec: {trainerConfig: {taskArgs: {x: *i}}}\n"
+)  # 10^9 values once walked
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (BOMB, "expands to more than 200,000 values"),
+        ("spec: " + "[" * 100_000 + "]" * 100_000 + "\n", "YAML nested too deeply"),
+        ("spec: {gpusPerNode: " + "7" * 5000 + "}\n", "Exceeds the limit (4300 digits)"),
+        ("a: " + "x" * (3 << 20) + "\n", "a config or manifest is at most"),
+        ("a: 1\n---\nb: 2\n", "expected one YAML document, found 2"),
+    ],
+    ids=["alias-bomb", "deep", "huge-int", "huge-file", "two-docs"],
+)
+def test_hostile_manifests_are_one_line_and_fast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    # An alias bomb or huge integers grew rljob plan to 3-4 GB before it answered; 100k-deep
+    # YAML was a RecursionError traceback.
+    path = tmp_path / "rljob.yaml"
+    path.write_text(text)
+    started = time.monotonic()
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err[:300]
+    print(f"refused in {time.monotonic() - started:.2f} s")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+                    max_leaves=30))  # fmt: skip
+def test_any_yaml_document_plans_or_exits_2_with_paths(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: Any
+) -> None:
+    manifest = {"apiVersion": "treetrain.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "fuzz"}, "spec": spec}
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    code = main(["plan", str(path)])
+    err = capsys.readouterr().err
+    assert code in (0, 2) and "Traceback" not in err
+    if code == 2:
+        problems = [line for line in err.splitlines() if line.startswith("  - ")]
+        assert problems and all(": " in p for p in problems), err

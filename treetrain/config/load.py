@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+import json
 import re
 import types
 import typing
@@ -101,13 +102,58 @@ def load_default(*, env: Mapping[str, str], overrides: Mapping[str, Any] | None 
     return validate_with_launch(embedded_default(), env=env, overrides=overrides)
 
 
+# Bounds on hostile YAML: a config or manifest is far smaller. Aliases share nodes when read,
+# so a few lines can stand for billions of values once walked ("billion laughs").
+MAX_YAML_BYTES = 2 << 20
+MAX_YAML_VALUES = 200_000
+
+
 def read_yaml(text: str, where: str) -> Any:
+    """One YAML document, bounded in size, depth and expanded values; ConfigError otherwise."""
+    (document,) = read_yaml_documents(text, where, at_most=1) or [None]
+    return document
+
+
+def read_yaml_documents(text: str, where: str, *, at_most: int | None = None) -> list[Any]:
+    """Every non-empty document of ``text`` (YAML 1.2 floats), each one checked for size, depth
+    and alias blow-up; one-line :class:`ConfigError` for anything else."""
     import yaml
 
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError([("", f"{where}: {len(text):,} bytes; a config or manifest is at most {MAX_YAML_BYTES:,}")])
     try:
-        return yaml.load(text, Loader=_loader())  # a SafeLoader subclass
+        documents = [d for d in yaml.load_all(text, Loader=_loader()) if d is not None]  # a SafeLoader subclass
     except yaml.YAMLError as err:
-        raise ConfigError([("", f"{where}: not valid YAML: {err}")]) from None
+        raise ConfigError([("", f"{where}: not valid YAML: {' '.join(str(err).split())}")]) from None
+    except RecursionError:
+        raise ConfigError([("", f"{where}: YAML nested too deeply")]) from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit
+        raise ConfigError([("", f"{where}: {str(err).split(':')[0]}")]) from None
+    if at_most is not None and len(documents) > at_most:
+        raise ConfigError([("", f"{where}: {len(documents)} YAML documents; expected {at_most}")])
+    for document in documents:
+        if _values_beyond(document, MAX_YAML_VALUES):
+            raise ConfigError(
+                [("", f"{where}: expands to more than {MAX_YAML_VALUES:,} values (YAML aliases?); refused")]
+            )
+    return documents
+
+
+def _values_beyond(document: Any, limit: int) -> bool:
+    """Whether walking ``document`` (aliases expanded, as any reader would) meets more than
+    ``limit`` values; stops as soon as it does, so a blow-up costs ``limit`` steps."""
+    stack, seen = [document], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
 
 
 def dump_yaml(config: TrainConfig) -> str:
@@ -221,10 +267,16 @@ def _model_class(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def field_name(part: Any) -> str:
+    """A key as it reads in a one-line message: quoted when empty or not printable."""
+    text = str(part)
+    return text if text and text.isprintable() and "." not in text else json.dumps(text)
+
+
 def _path(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        out += f"[{part}]" if isinstance(part, int) else (f".{field_name(part)}" if out else field_name(part))
     return out
 
 
