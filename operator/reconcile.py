@@ -146,6 +146,10 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
     current = {c.role: trainer_job_name(desired, c.role, restarts) for c in _trainer_components(desired)}
     stale = [name for name in trainers if name not in current.values()]
     decision.delete += [("Job", name) for name in stale]
+    # A rollout engine removed from the spec: its servers go (their GPUs are no longer counted).
+    wanted = {o["metadata"]["name"] for o in desired.objects if o["kind"] == "StatefulSet"}
+    decision.delete += [("StatefulSet", s["metadata"]["name"]) for s in observed.statefulsets
+                        if s["metadata"]["name"] not in wanted]  # fmt: skip
 
     # Trainer finished or failed?
     failure = _trainer_failure(trainers, current, observed.pods, restarts)

@@ -244,3 +244,15 @@ def test_a_steady_state_sends_nothing() -> None:
         assert again.status == stored, "the controller would PATCH an unchanged status"
         assert again.create_only == [], "the controller would POST a Job that exists"
         assert again.events == []
+
+
+def test_a_rollout_engine_removed_from_the_spec_is_torn_down() -> None:
+    # It used to keep running (GPUs held) while the status no longer counted it.
+    def sts(name: str) -> dict[str, Any]:
+        return {"kind": "StatefulSet", "metadata": {"name": name, "labels": {"treetrain.dev/component": "rollout"}}}
+
+    observed = Observed(jobs=[job("demo-trainer")], statefulsets=[sts("demo-rollout"), sts("demo-rollout-small")],
+                        pods=running_pods())  # fmt: skip
+    d = decide(rljob(), observed, NOW)
+    assert ("StatefulSet", "demo-rollout-small") in d.delete
+    assert ("StatefulSet", "demo-rollout") not in d.delete
