@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from rljob_operator.plan import Limits
 from treetrain import __version__
 
 
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     o.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
     o.add_argument("--liveness-port", type=int, default=8081, help="liveness endpoint /healthz port (0 disables)")
+    o.add_argument("--max-gpus-per-rljob", type=int, default=Limits.max_gpus, metavar="N",
+                   help=f"refuse RLJobs that ask for more GPUs (default {Limits.max_gpus})")  # fmt: skip
+    o.add_argument("--max-pods-per-rljob", type=int, default=Limits.max_pods, metavar="N",
+                   help=f"refuse RLJobs that ask for more pods (default {Limits.max_pods})")  # fmt: skip
     o.add_argument(
         "--bind",
         default=None,
@@ -148,6 +153,7 @@ def _operator(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,
         bind=args.bind or default_bind(os.environ),
+        limits=Limits(max_gpus=args.max_gpus_per_rljob, max_pods=args.max_pods_per_rljob),
     )
     return code
 

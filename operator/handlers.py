@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from rljob_operator.kube import Conflict, Kube, NotOurs
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
-from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
+from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY, Limits
 from rljob_operator.reconcile import Decision, Observed, decide, set_condition
 
 log = logging.getLogger("rljob_operator")
@@ -115,9 +115,10 @@ class WorkQueue:
 class Controller:
     """Reconciles RLJobs: shared by the kopf handlers and the work queue."""
 
-    def __init__(self, kube: Kube, metrics: Metrics) -> None:
+    def __init__(self, kube: Kube, metrics: Metrics, limits: Limits | None = None) -> None:
         self.kube = kube
         self.metrics = metrics
+        self.limits = limits or Limits()
         self.queue = WorkQueue()
         self.known: set[Key] = set()
         self.refusals: dict[Key, tuple[int, str]] = {}  # RLJobs whose children the API refused: (attempts, message)
@@ -178,7 +179,7 @@ class Controller:
             statefulsets=self.kube.children("StatefulSet", namespace, name),
             pods=self.kube.children("Pod", namespace, name),
         )
-        decision = decide(rljob, observed, datetime.now(UTC))
+        decision = decide(rljob, observed, datetime.now(UTC), self.limits)
         if decision.delete_self:
             self.kube.delete("RLJob", namespace, name)
             return None

@@ -151,7 +151,16 @@ class Plan:
         return {"dir": CHECKPOINT_DIR, "persistent": True, "claim": claim}
 
 
-def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
+@dataclass(frozen=True)
+class Limits:
+    """Ceilings per RLJob that the cluster admin sets (chart values ``limits.*``): one RLJob that
+    asks for a million servers must not take the operator, or the controller-manager, down."""
+
+    max_gpus: int = 4096
+    max_pods: int = 1024
+
+
+def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
     """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation."""
     errors: list[FieldError] = []
     if not isinstance(manifest, dict):
@@ -174,6 +183,18 @@ def plan(manifest: dict[str, Any], *, restart: int = 0) -> Plan:
     components, component_errors = _components(_engines(spec, raw))
     seen = {e.path for e in errors}
     errors += [e for e in component_errors if e.path not in seen]
+    # Before any object is rendered: a huge request is refused in microseconds.
+    draft = Plan(name=name, namespace=namespace, spec=spec, components=components) if spec else None
+    if draft is not None and (draft.total_gpus > limits.max_gpus or draft.total_pods > limits.max_pods):
+        errors.append(
+            FieldError(
+                "spec",
+                f"asks for {draft.total_gpus} GPUs in {draft.total_pods} pods; this operator allows at most "
+                f"{limits.max_gpus} GPUs and {limits.max_pods} pods per RLJob (the chart's limits.maxGpusPerRLJob "
+                "and limits.maxPodsPerRLJob)",
+            )
+        )
+        raise PlanError(errors)
     config, config_errors = _check_trainer_config(name, namespace, spec, raw, components, restart)
     seen = {e.path for e in errors}
     errors += [e for e in config_errors if e.path not in seen]

@@ -19,7 +19,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from rljob_operator.models import MAX_TTL_SECONDS, RLJobStatus
-from rljob_operator.plan import LABEL_COMPONENT, LABEL_RESTART, Component, Plan, PlanError, plan, trainer_job_name
+from rljob_operator.plan import (
+    LABEL_COMPONENT,
+    LABEL_RESTART,
+    Component,
+    Limits,
+    Plan,
+    PlanError,
+    plan,
+    trainer_job_name,
+)
 
 BACKOFF_MAX_SECONDS = 300.0
 WORKLOAD_KINDS = ("Job", "StatefulSet")
@@ -95,7 +104,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in status.get("conditions", []) if c["type"] == kind), None)
 
 
-def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision:
+def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Limits = Limits()) -> Decision:  # noqa: B008
     old = RLJobStatus.model_validate(rljob.get("status") or {}).model_dump(by_alias=True, exclude_none=True)
     status: dict[str, Any] = {**old, "conditions": [dict(c) for c in old.get("conditions", [])]}
     generation = (rljob.get("metadata") or {}).get("generation")
@@ -111,7 +120,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime) -> Decision
 
     try:
         restarts = int(old.get("restarts", 0))
-        desired = plan(rljob, restart=restarts)
+        desired = plan(rljob, restart=restarts, limits=limits)
     except PlanError as err:
         cond.set("Valid", False, "InvalidSpec", str(err))
         status.update(phase="Failed", message=f"invalid spec: {err}", allocation={}, gpus=0)

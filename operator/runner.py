@@ -12,11 +12,12 @@ from prometheus_client import start_http_server
 from rljob_operator.handlers import Controller, build_registry
 from rljob_operator.kube import Kube, load_client
 from rljob_operator.metrics import Metrics
+from rljob_operator.plan import Limits
 
 
-def make_controller(kubeconfig: str | None = None) -> Controller:
+def make_controller(kubeconfig: str | None = None, limits: Limits | None = None) -> Controller:
     client, in_cluster = load_client(kubeconfig)
-    return Controller(Kube(client, in_cluster=in_cluster), Metrics())
+    return Controller(Kube(client, in_cluster=in_cluster), Metrics(), limits)
 
 
 async def serve(
@@ -40,10 +41,12 @@ async def serve(
     )
 
 
-def run_operator(*, namespaces: list[str], metrics_port: int, liveness_port: int, bind: str) -> int:
+def run_operator(
+    *, namespaces: list[str], metrics_port: int, liveness_port: int, bind: str, limits: Limits | None = None
+) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handler call is noise
-    controller = make_controller()
+    controller = make_controller(limits=limits)
     if metrics_port:
         start_http_server(metrics_port, addr=bind, registry=controller.metrics.registry)
     liveness = f"http://{bind}:{liveness_port}/healthz" if liveness_port else None

@@ -153,7 +153,10 @@ def test_deployment_is_hardened_single_replica_with_probes(render: Render) -> No
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert container["image"] == f"ghcr.io/treetrain/rljob-operator:{__version__}"
     # In a pod the listeners must take the pod IP (kubelet probes, Prometheus); loopback is the CLI default.
-    assert container["args"] == ["operator", "--metrics-port=8080", "--liveness-port=8081", "--bind=0.0.0.0"]
+    assert container["args"] == [
+        "operator", "--metrics-port=8080", "--liveness-port=8081", "--bind=0.0.0.0",
+        "--max-gpus-per-rljob=4096", "--max-pods-per-rljob=1024",
+    ]  # fmt: skip
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "liveness": 8081}
     for probe in ("livenessProbe", "readinessProbe"):
@@ -174,7 +177,7 @@ def test_deployment_custom_values(render: Render) -> None:
     pod = one(docs, "Deployment")["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert container["image"] == "registry.local/rljob:dev" and container["imagePullPolicy"] == "Always"
-    assert container["args"] == ["operator", "--metrics-port=9090", "--liveness-port=9091", "--bind=0.0.0.0"]
+    assert container["args"][:4] == ["operator", "--metrics-port=9090", "--liveness-port=9091", "--bind=0.0.0.0"]
     assert {"name": "KOPF_DEBUG", "value": "1"} in container["env"]
     assert pod["spec"]["nodeSelector"] == {"pool": "system"} and pod["metadata"]["labels"]["team"] == "ml"
     service = one(docs, "Service")

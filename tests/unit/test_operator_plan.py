@@ -487,3 +487,18 @@ def test_every_pod_is_hardened() -> None:
         (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
         assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
     assert templates["Job"]["terminationGracePeriodSeconds"] >= 600
+
+
+def test_a_request_beyond_the_ceilings_is_refused_before_anything_is_rendered() -> None:
+    # sglang:t1000000000 created a StatefulSet of 125,000,000 replicas; sglang:d999999999 OOM-killed
+    # the operator building one URL per instance. Sizes are bounded by the parser, totals here.
+    import time
+
+    from rljob_operator.plan import Limits
+
+    started = time.monotonic()
+    with pytest.raises(PlanError, match=r"asks for 65544 GPUs in 65537 pods; this operator allows at most 4096"):
+        plan(manifest(rollout={"backend": "sglang:d65536"}))
+    assert time.monotonic() - started < 5  # refused before 65,536 server URLs are built
+    with pytest.raises(PlanError, match="at most 8 GPUs"):
+        plan(manifest(), limits=Limits(max_gpus=8, max_pods=100))

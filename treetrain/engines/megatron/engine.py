@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from treetrain.attention import TreeAttentionMeta, resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
-from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, adamw, check_role
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_model
 from treetrain.engines.megatron import convert
@@ -89,17 +89,7 @@ class MegatronEngine(Engine):
         self.hidden_size = int(hf.hidden_size)
         self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
         self.optim = optimizer
-        self.optimizer: torch.optim.Optimizer | None = None
-        if optimizer is not None:
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=optimizer.lr,
-                betas=(optimizer.betas[0], optimizer.betas[1]),
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-            )
-        else:
-            self.model.requires_grad_(False)
+        self.optimizer = adamw(self.model, optimizer)
         self.steps = 0
         self._sampler: torch.nn.Module | None = None
 
