@@ -153,8 +153,11 @@ def test_arithmetic_reward(reply: str, reward: float) -> None:
 def test_a_text_task_without_a_tokenizer_is_refused_with_the_fix() -> None:
     with pytest.raises(TaskError, match=r"needs a model with a tokenizer .*builtin:smollm2-135m.*builtin:parity"):
         load_task("builtin:arithmetic", {})
-    with pytest.raises(TaskError, match="max_operand must be a positive integer"):
+    with pytest.raises(TaskError, match=r"max_operand must be an integer in 1\.\.65536, got 0"):
         load_task("builtin:arithmetic", {"maxOperand": 0}, lambda: object())
+    # maxNewTokens: 1e9 ran for ever
+    with pytest.raises(TaskError, match=r"max_new_tokens must be an integer in 1\.\.65536, got 1000000000"):
+        load_task("builtin:parity", {"maxNewTokens": 10**9})
 
 
 def test_user_tasks_that_take_a_tokenizer_get_the_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

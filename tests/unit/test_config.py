@@ -82,6 +82,13 @@ def test_yaml_reads_exponent_floats_as_numbers() -> None:
     assert C.read_yaml("lr: 1e-6\nb: 2.5E+3\nc: '1e-6'\nd: 7\n", "t") == {"lr": 1e-6, "b": 2500.0, "c": "1e-6", "d": 7}
 
 
+def test_sizes_no_run_needs_are_refused() -> None:
+    # groupsPerStep: 1e12 was accepted
+    found = problems(minimal(trainer={"groupsPerStep": 10**12, "groupSize": 10**6, "steps": 10**9}))
+    assert set(found) == {"trainer.groupsPerStep", "trainer.groupSize", "trainer.steps"}
+    assert "less than or equal to" in found["trainer.groupsPerStep"]
+
+
 def test_strict_types_refuse_strings_for_numbers() -> None:
     assert "trainer.steps" in problems(minimal(trainer={"steps": "10"}))
     assert "actor.treeTraining.enabled" in problems(minimal(actor={"treeTraining": {"enabled": "yes"}}))

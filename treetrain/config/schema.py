@@ -215,7 +215,7 @@ class MetricsSettings(Section):
 class TrainerSettings(Section):
     """The RL loop (an RLJob's spec.trainerConfig)."""
 
-    steps: int = Field(default=100, ge=1, description="Training steps.")
+    steps: int = Field(default=100, ge=1, le=10_000_000, description="Training steps.")
     seed: int = Field(default=0, ge=0, description="Seed of episodes and sampling.")
     task: str = Field(
         default="builtin:parity",
@@ -223,11 +223,12 @@ class TrainerSettings(Section):
         description="builtin:arithmetic, builtin:parity, or package.module:function returning a task.",
     )
     task_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the task.")
-    groups_per_step: int = Field(default=8, ge=1, description="Prompt groups per step.")
-    group_size: int = Field(default=4, ge=1, description="Samples per group (GRPO's n).")
+    # Bounds far past any real run: a typo (1e12 groups) is refused, not started.
+    groups_per_step: int = Field(default=8, ge=1, le=1_000_000, description="Prompt groups per step.")
+    group_size: int = Field(default=4, ge=1, le=4096, description="Samples per group (GRPO's n).")
     algorithm: Algorithm = Field(default="grpo", description="grpo (no critic) or ppo (needs a critic).")
     normalize_advantages: bool = Field(default=True, description="GRPO: divide by the group's standard deviation.")
-    ppo_epochs: int = Field(default=1, ge=1, description="Optimizer updates per batch.")
+    ppo_epochs: int = Field(default=1, ge=1, le=1000, description="Optimizer updates per batch.")
     keep_checkpoints: int = Field(default=3, ge=1, description="Keep the newest N checkpoints.")
     rollout: SamplingSettings = Field(default_factory=SamplingSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)

@@ -93,10 +93,7 @@ class ParityTask:
     def __post_init__(self) -> None:
         if not 0.0 <= self.even_share <= 1.0:
             raise TaskError(f"taskArgs.even_share must be in [0, 1], got {self.even_share!r}")
-        for name in ("turns", "user_tokens", "system_tokens", "max_new_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise TaskError(f"taskArgs.{name} must be a positive integer, got {value!r}")
+        _check_sizes(self, ("turns", "user_tokens", "system_tokens", "max_new_tokens"))
         if self.vocab_size <= FIRST_WORD + 1:
             raise TaskError(f"taskArgs.vocab_size must be > {FIRST_WORD + 1}, got {self.vocab_size!r}")
         rng = random.Random(1234)
@@ -104,6 +101,16 @@ class ParityTask:
 
     def episode(self, seed: int) -> ParityEpisode:
         return ParityEpisode(task=self, rng=random.Random(seed))
+
+
+MAX_TASK_SIZE = 65536  # turns and token counts: a typo (maxNewTokens: 1e9) must not run for ever
+
+
+def _check_sizes(task: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(task, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TASK_SIZE:
+            raise TaskError(f"taskArgs.{name} must be an integer in 1..{MAX_TASK_SIZE}, got {value!r}")
 
 
 class ChatTemplate:
@@ -200,10 +207,7 @@ class ArithmeticTask:
     system: str = ARITHMETIC_SYSTEM
 
     def __post_init__(self) -> None:
-        for name in ("turns", "max_operand", "max_new_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TaskError(f"taskArgs.{name} must be a positive integer, got {value!r}")
+        _check_sizes(self, ("turns", "max_operand", "max_new_tokens"))
         self.chat = ChatTemplate(self.tokenizer, self.system)
         self.vocab_size = len(self.tokenizer)
         eos = self.tokenizer.eos_token_id
