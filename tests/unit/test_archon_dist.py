@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_archon import FAMILY_CONFIGS, hf_logprobs, save_tiny
-from test_engine_dist import _free_port, make_batch
+from test_engine_dist import make_batch, spawn_ranks
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
@@ -147,15 +146,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, cases: list[tuple[str, s
 def _spawn(tmp: Path, cases: list[tuple[str, str, str]]) -> None:
     for family in {c[0] for c in cases}:
         save_tiny(family, tmp / family)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp), cases, errors), nprocs=2, start_method="spawn")
-    except Exception:
-        found = []
-        while not errors.empty():
-            found.append(errors.get())
-        pytest.fail("\n".join(found) or "a rank failed")
+    spawn_ranks(_worker, 2, str(tmp), cases)
 
 
 @pytest.mark.slow

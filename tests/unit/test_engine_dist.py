@@ -266,16 +266,21 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors: Any) -> None:
             dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp: Path) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+def spawn_ranks(worker: Any, world: int, *args: Any) -> None:
+    """Run ``worker(rank, world, port, *args, errors)`` in ``world`` spawned processes (as torchrun
+    would); a failed rank fails the test with every rank's traceback that reached ``errors``."""
+    errors = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(_worker, args=(world, _free_port(), str(tmp), errors), nprocs=world, start_method="spawn")
+        mp.start_processes(worker, args=(world, _free_port(), *args, errors), nprocs=world, start_method="spawn")
     except Exception:
         found = []
         while not errors.empty():
             found.append(errors.get())
         pytest.fail("\n".join(found) or "a rank failed")
+
+
+def _spawn(world: int, tmp: Path) -> None:
+    spawn_ranks(_worker, world, str(tmp))
 
 
 @pytest.mark.slow

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from megatron_models import branching_sequences, make_batch, per_expert, reference, save_model
+from test_engine_dist import spawn_ranks
 
 # 64-token trees over 16-token blocks: several uneven micro-batches per rank.
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
@@ -32,12 +31,6 @@ CASES = [
     ("llama", "megatron:c2", False),
     ("qwen3_moe", "megatron:(attn:d2|ffn:e2)", True),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _check(family: str, backend: str, recompute: bool, root: Path) -> None:
@@ -130,15 +123,7 @@ def _worker(rank: int, world: int, port: int, root: str, cases: list[tuple[str, 
 def _spawn(cases: list[tuple[str, str, bool]], root: Path) -> None:
     for family in {c[0] for c in cases}:
         save_model(family, root)
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(root), cases, errors), nprocs=2, start_method="spawn")
-    except Exception:
-        found = []
-        while not errors.empty():
-            found.append(errors.get())
-        pytest.fail("\n".join(found) or "a rank failed")
+    spawn_ranks(_worker, 2, str(root), cases)
 
 
 @pytest.mark.slow
