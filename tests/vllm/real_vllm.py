@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from treetrain.rl.rollout import http_json
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -52,17 +51,8 @@ def free_port() -> int:
 
 
 def request(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, raw.decode(errors="replace")
+    """One JSON request: the trainer's own client call (connection errors raise OSError)."""
+    return http_json(method, url, body, timeout)
 
 
 def _die_with_parent() -> None:
