@@ -1,6 +1,6 @@
 """CPU forward + backward time of one training step: tree-packed vs. the same sequences flat.
 
-    python bench/train_step.py [--scale 0.0625] [--max-tokens 4096] [--block-size 64] [--repeat 3]
+    python bench/train_step.py [--engines fsdp archon megatron] [--scale 0.0625] [--max-tokens 4096] [--repeat 3]
 
 For each workload of ``bench/workloads.py`` (lengths multiplied by ``--scale`` so a CPU can
 run it), one run packs the batch twice with the same packer and the same ``sparse``
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -68,6 +69,38 @@ class ArchonAsHF(torch.nn.Module):
         return SimpleNamespace(logits=self.net(input_ids[0], position_ids[0], kwargs["tree_attention"])[None])
 
 
+class MegatronAsHF(torch.nn.Module):
+    """The Megatron engine's model (megatron-core ``GPTModel`` with our tree core attention and
+    tree RoPE, ``megatron:d1`` in this one process) with the same weights, called like the
+    Hugging Face one (``--engine megatron``)."""
+
+    def __init__(self, hf: LlamaForCausalLM) -> None:
+        from treetrain.config.backends import check_training_backend
+        from treetrain.engines.megatron import convert, init_megatron
+        from treetrain.engines.megatron.model import TreeGPT
+        from treetrain.engines.megatron.parallel import ranks, sizes
+
+        super().__init__()
+        self.config = hf.config
+        init_megatron(check_training_backend("megatron:d1"))
+        self.net = TreeGPT(hf.config, role="actor", recompute=False, seed=0)
+        read = convert.StateDictReader(hf.state_dict())
+        shape = convert.shape_of(hf.config, sizes(), ranks())
+        with torch.no_grad():
+            for name, p in self.net.gpt.named_parameters():
+                p.copy_(convert.load_tensor(name, 0, read, shape, tied=bool(hf.config.tie_word_embeddings)))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: object) -> object:
+        from types import SimpleNamespace
+
+        from treetrain.engines.megatron.model import TreeInput
+
+        positions = position_ids[0]
+        padding = torch.zeros_like(positions, dtype=torch.bool)  # read by MoE layers only
+        tree = TreeInput(meta=kwargs["tree_attention"], positions_N=positions, padding_N=padding)  # type: ignore[arg-type]
+        return SimpleNamespace(logits=self.net(input_ids[0], tree)[None])
+
+
 def step(model: LlamaForCausalLM, batch: PackedBatch, block_size: int) -> None:
     model.zero_grad(set_to_none=True)
     total = batch.stats.original_tokens - batch.stats.num_sequences  # predicted tokens, counted before the loop
@@ -91,7 +124,7 @@ def flops(model: LlamaForCausalLM, batch: PackedBatch) -> float:
     per_token = sum(
         p.numel()
         for n, p in model.named_parameters()
-        if not n.endswith(("embed_tokens.weight", "tok_embeddings.weight"))
+        if not n.endswith(("embed_tokens.weight", "tok_embeddings.weight", "word_embeddings.weight"))
     )
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     pairs = sum(t.attended_pairs() for t in batch.trees)
@@ -121,21 +154,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
     parser.add_argument("--workloads", nargs="*", help="names from bench/workloads.py (default: all)")
     parser.add_argument(
-        "--engine", choices=("fsdp", "archon"), default="fsdp", help="whose model: transformers' or Archon's"
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=["fsdp"],
+        help="whose models, side by side in this one run: transformers' (the FSDP engine's), Archon's, "
+        "Megatron's (megatron-core); each gets the same weights",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = tiny_llama(args.vocab)
-    if args.engine == "archon":
-        model = ArchonAsHF(model).train()  # type: ignore[assignment]
-    n_params = sum(p.numel() for p in model.parameters())
+    base = tiny_llama(args.vocab)
+    models = {engine: ENGINES[engine](base).train() for engine in args.engines}
+    n_params = sum(p.numel() for p in base.parameters())
     print(
         f"config: scale={args.scale} max_tokens_per_mb={args.max_tokens} block_size={args.block_size} "
-        f"repeat={args.repeat} torch_threads={torch.get_num_threads()} attention=sparse engine={args.engine} "
+        f"repeat={args.repeat} torch_threads={torch.get_num_threads()} attention=sparse "
+        f"engines={','.join(args.engines)} "
         f"model=llama(hidden 128, 2 layers, 4 heads, 2 kv heads, vocab {args.vocab}, {n_params / 1e6:.2f}M params) fp32"
     )
     header = (
-        f"{'workload':<15} {'orig tok':>8} {'tree tok':>8} {'ratio':>6} {'mb flat/tree':>12} "
+        f"{'engine':<8} {'workload':<15} {'orig tok':>8} {'tree tok':>8} {'ratio':>6} {'mb flat/tree':>12} "
         f"{'flat s':>7} {'tree s':>7} {'speedup':>7} {'cpu-s flat':>10} {'cpu-s tree':>10} {'cpu speedup':>11} "
         f"{'1/ratio':>7} {'FLOPs x':>7} {'vs FLOPs (wall, cpu)':>20}"
     )
@@ -146,17 +184,26 @@ def main() -> None:
         config = dict(max_tokens_per_mb=args.max_tokens, block_size=args.block_size)
         tree = pack(seqs, PackConfig(**config))
         flat = pack(seqs, PackConfig(**config, share_prefixes=False))
-        t_flat, c_flat = timed_step(model, flat, args.block_size, args.repeat)
-        t_tree, c_tree = timed_step(model, tree, args.block_size, args.repeat)
-        ideal_flops = flops(model, flat) / flops(model, tree)
-        print(
-            f"{name:<15} {tree.stats.original_tokens:>8} {tree.stats.tree_tokens:>8} {tree.stats.tree_token_ratio:>6.3f} "
-            f"{flat.stats.num_trees:>5}/{tree.stats.num_trees:<6} {t_flat:>7.2f} {t_tree:>7.2f} {t_flat / t_tree:>6.2f}x "
-            f"{c_flat:>10.2f} {c_tree:>10.2f} {c_flat / c_tree:>10.2f}x "
-            f"{1 / tree.stats.tree_token_ratio:>6.2f}x {ideal_flops:>6.2f}x "
-            f"{t_flat / t_tree / ideal_flops:>11.2f}, {c_flat / c_tree / ideal_flops:.2f}",
-            flush=True,
-        )
+        ideal_flops = flops(base, flat) / flops(base, tree)
+        for engine, model in models.items():  # engines interleaved per workload: the same machine load
+            t_flat, c_flat = timed_step(model, flat, args.block_size, args.repeat)
+            t_tree, c_tree = timed_step(model, tree, args.block_size, args.repeat)
+            print(
+                f"{engine:<8} {name:<15} {tree.stats.original_tokens:>8} {tree.stats.tree_tokens:>8} "
+                f"{tree.stats.tree_token_ratio:>6.3f} {flat.stats.num_trees:>5}/{tree.stats.num_trees:<6} "
+                f"{t_flat:>7.2f} {t_tree:>7.2f} {t_flat / t_tree:>6.2f}x "
+                f"{c_flat:>10.2f} {c_tree:>10.2f} {c_flat / c_tree:>10.2f}x "
+                f"{1 / tree.stats.tree_token_ratio:>6.2f}x {ideal_flops:>6.2f}x "
+                f"{t_flat / t_tree / ideal_flops:>11.2f}, {c_flat / c_tree / ideal_flops:.2f}",
+                flush=True,
+            )
+
+
+ENGINES: dict[str, Callable[[LlamaForCausalLM], torch.nn.Module]] = {
+    "fsdp": lambda hf: hf,
+    "archon": ArchonAsHF,
+    "megatron": MegatronAsHF,
+}
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ def build_engine(
 
     Everything that can be checked before joining the process group is (role, dtype, model
     name, backend string): a bad value raises a one-line ``ValueError``
-    (:class:`EngineConfigError` or the parser's ``AllocationError``) naming the fix, e.g. for
-    ``megatron:...`` and ``archon:...``, which are not built yet.
+    (:class:`EngineConfigError` or the parser's ``AllocationError``) naming the fix, e.g. for a
+    parallel letter the engine refuses (``treetrain.config.backends`` holds that table).
     """
     check_role(role)
     if isinstance(model, str):
