@@ -176,14 +176,17 @@ def test_user_tasks_that_take_a_tokenizer_get_the_models(tmp_path: Path, monkeyp
     assert tok_task.seen == [marker]
 
 
-def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> None:
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.5, 0.9)])
+def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone(temperature: float, top_p: float) -> None:
     """Prompts of different lengths in one left-padded batch: the sampler's log-probs equal a
-    plain forward of each prompt + its generation alone (fp32)."""
+    plain forward of each prompt + its generation alone (fp32), at temperature 1 whatever the
+    sampling temperature and top-p (the trainer's log-probs are at temperature 1)."""
     torch.manual_seed(0)
     model = build_model(ModelSettings(path="builtin:tiny-llama", seed=5))
     rollout = LocalRollout(model, torch.device("cpu"))
     prompts = [[1, *range(10, 10 + n)] for n in (3, 17, 9, 30)]
-    gens = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(7,), temperature=temperature, top_p=top_p)
+    gens = rollout.generate(prompts, params, seed=11)
     assert [len(g.tokens) for g in gens] and all(1 <= len(g.tokens) <= 6 for g in gens)
     for prompt, gen in zip(prompts, gens, strict=True):
         ids = torch.tensor([prompt + gen.tokens])
@@ -192,7 +195,7 @@ def test_batched_sampling_with_left_padding_scores_each_prompt_as_if_alone() -> 
         n = len(prompt)
         alone = logp[n - 1 : n - 1 + len(gen.tokens)].gather(1, torch.tensor(gen.tokens)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(gen.logprobs), alone, atol=1e-5, rtol=0)
-    again = rollout.generate(prompts, SamplingParams(max_new_tokens=6, stop_token_ids=(7,)), seed=11)
+    again = rollout.generate(prompts, params, seed=11)
     assert [g.tokens for g in again] == [g.tokens for g in gens]  # the seed fixes the samples
 
 

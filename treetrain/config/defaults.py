@@ -10,7 +10,8 @@ def embedded_default() -> dict[str, Any]:
     built-in multi-turn arithmetic quiz in text, local rollout, GRPO, tree packing; then the
     last batch trained tree vs flat. About two minutes on a 2-core CPU."""
     return {
-        "model": {"path": "builtin:smollm2-135m", "seed": 0},
+        # Recompute activations in the backward: peak RSS 9.3 GB -> see docs/trainer.md.
+        "model": {"path": "builtin:smollm2-135m", "seed": 0, "gradientCheckpointing": True},
         "actor": {
             "backend": "fsdp:d1",
             "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048, "attention": "auto"},

@@ -187,12 +187,15 @@ class LocalRollout(RolloutClient):
         done = [False] * b
         reasons = ["length"] * b
         for step in range(params.max_new_tokens):
-            logp_BV = torch.log_softmax(logits_BV / params.temperature, dim=-1)
-            probs_BV = logp_BV.exp()
+            probs_BV = torch.softmax(logits_BV / params.temperature, dim=-1)
             if params.top_p < 1.0:
                 probs_BV = _top_p(probs_BV, params.top_p)
             next_B = torch.multinomial(probs_BV.cpu(), 1, generator=gen).squeeze(1)
-            chosen = logp_BV.cpu().gather(1, next_B[:, None]).squeeze(1)
+            # The behaviour log-prob is the model's at temperature 1, as the trainer computes it
+            # (and vLLM returns by default): temperature and top-p shape exploration only.
+            raw_BV = logits_BV.float()
+            picked_B = raw_BV.gather(1, next_B[:, None].to(raw_BV.device)).squeeze(1)
+            chosen = (picked_B - torch.logsumexp(raw_BV, dim=-1)).cpu()
             live = [not d for d in done]  # rows whose token this step is theirs
             # Host sync per decoded token: the episode logic needs the tokens on the host anyway.
             for r, (t, lp) in enumerate(zip(next_B.tolist(), chosen.tolist(), strict=True)):

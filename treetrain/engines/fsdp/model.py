@@ -140,7 +140,12 @@ def build_model(
         model = ValueModel(net, config.hidden_size).to(dtype) if role == "critic" else net
     if settings.gradient_checkpointing:
         target = model.backbone if isinstance(model, ValueModel) else model
-        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+        # Newer transformers call it activation checkpointing (the old name warns on every run).
+        enable = getattr(target, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     return model
 
 
