@@ -19,3 +19,15 @@ echo "== bench/attention.py (bf16)"
 echo "== bench/archon_gpu.py (Archon model: bf16 parity, tokens/s with flex and triton, compiled)"
 "$py" bench/archon_gpu.py --device cuda --backends flex triton --out "$out/RESULTS.md"
 echo "wrote $out/RESULTS.md"
+# 4. bench/megatron_gpu.py: the Megatron engine (TransformerEngine specs when they import):
+#    parity with transformers, bf16 tokens/s tree vs flat, the alltoall MoE dispatcher;
+#    megatron:t2 (sequence parallel) under torchrun on 2+ GPUs, megatron:d1 on one.
+echo "== bench/megatron_gpu.py (Megatron engine: parity, bf16 tokens/s tree vs flat, alltoall MoE)"
+gpus="$(nvidia-smi -L 2>/dev/null | wc -l || true)"
+if [ "${gpus:-0}" -ge 2 ]; then
+  "$py" -m torch.distributed.run --standalone --nproc-per-node 2 bench/megatron_gpu.py --out "$out/RESULTS.md"
+else
+  echo "one GPU: megatron:t2 needs two, running megatron:d1"
+  "$py" bench/megatron_gpu.py --out "$out/RESULTS.md"
+fi
+echo "wrote $out/RESULTS.md"

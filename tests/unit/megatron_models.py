@@ -133,3 +133,32 @@ def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[name] = t
     return out
+
+
+def critic_reference(
+    path: Path, batch: Any, loss: Any, head: dict[str, torch.Tensor]
+) -> tuple[float, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Each sequence alone through the Hugging Face backbone and the value head ``head``
+    (``weight [1, h]``, ``bias [1]``): the value loss (one global mean), its gradients
+    (``value_head.weight``/``.bias`` for the head) and the per-sequence values."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from treetrain.engines.base import MicroBatchOutput
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    w, b = (head[k].detach().clone().requires_grad_(True) for k in ("weight", "bias"))
+    total = batch.num_loss_tokens()
+    value, values = 0.0, []
+    for i, seq in enumerate(batch.sequences):
+        hidden = model.model(input_ids=torch.tensor(seq)[None]).last_hidden_state[0, :-1]
+        v = F.linear(hidden, w, b)[:, 0]
+        values.append(v.detach())
+        inputs = {k: t[i] for k, t in batch.tensors.items()}
+        mb_loss, _ = loss(MicroBatchOutput(values=v), batch.loss_mask[i], inputs)
+        (mb_loss / total).backward()
+        value += float(mb_loss.detach()) / total
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert w.grad is not None and b.grad is not None
+    grads.update({"value_head.weight": w.grad, "value_head.bias": b.grad})
+    return value, grads, values

@@ -1,6 +1,7 @@
 """The Megatron engine in one process (``megatron:d1``): the parallel-state mapping for every
-letter, log-probs and gradients equal each sequence alone through transformers, and the RoPE
-regression (later branches of a tree need tree positions, not flat ones)."""
+letter, log-probs and gradients equal each sequence alone through transformers (recompute off
+and on), and the RoPE regression (later branches of a tree need tree positions, not flat
+ones)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,14 @@ def test_every_letter_maps_to_megatron(backend: str, want: tuple[int, ...]) -> N
     )
 
 
-def test_d1_matches_each_sequence_alone_and_needs_tree_positions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_d1_matches_each_sequence_alone_and_needs_tree_positions(recompute: bool, tmp_path: Path) -> None:
     path = save_model("qwen3", tmp_path)
     loss = PPOLoss(LossSettings(clip_eps=0.2))
     batch = make_batch(branching_sequences())
-    engine = build_engine(ModelSettings(path=str(path)), "megatron:d1", tree=TREE, optimizer=OptimizerSettings())
+    model = ModelSettings(path=str(path), gradient_checkpointing=recompute)
+    engine = build_engine(model, "megatron:d1", tree=TREE, optimizer=OptimizerSettings())
+    assert not engine.model.config.sequence_parallel  # no tensor ranks: nothing to split
     ref_loss, ref_grads, ref_logps = reference(path, batch, loss)
     for use_tree in (True, False):
         stats = engine.forward_backward(batch, loss, tree=use_tree)

@@ -35,7 +35,7 @@ from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_model
 from treetrain.engines.megatron import convert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
-from treetrain.engines.megatron.model import TreeGPT, TreeInput
+from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
 from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
 from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PAD_TOKEN_ID, PackConfig, PackedBatch, PackedTree, pack
@@ -79,7 +79,11 @@ class MegatronEngine(Engine):
         self._pack_config(tree=True)  # the packer's message for a capacity that does not fit
         hf = self.source.config
         self.model: TreeGPT = TreeGPT(
-            hf, role=role, recompute=self.settings.gradient_checkpointing, seed=self.settings.seed
+            hf,
+            role=role,
+            recompute=self.settings.gradient_checkpointing,
+            seed=self.settings.seed,
+            te=layout.device.type == "cuda" and transformer_engine_available(),
         )
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
         self.shape = convert.shape_of(hf, self.sizes, self.ranks)
@@ -201,7 +205,10 @@ class MegatronEngine(Engine):
 
     # -- the schedule -----------------------------------------------------------------------
     def _p2p_shape(self, chunk: _Chunk) -> tuple[int, int, int]:
-        return (chunk.tree.padded_len // self.sizes["cp"], 1, self.hidden_size)
+        """Hidden states between stages: this context rank's rows, split over the tensor
+        ranks by sequence parallel."""
+        rows = chunk.tree.padded_len // (self.sizes["cp"] * self.sizes["tp"])
+        return (rows, 1, self.hidden_size)
 
     def _schedule(self, chunks: list[_Chunk], on_output: Any, *, train: bool) -> None:
         """All forwards, then (``train``) all backwards, GPipe style over plain p2p.
@@ -342,8 +349,8 @@ class MegatronEngine(Engine):
             if p.grad is None:
                 continue
             out["edp" if _is_expert(name) else "dp_cp"].append(p.grad)
-            if "q_layernorm" in name or "k_layernorm" in name:
-                out["tp"].append(p.grad)  # each tp rank saw only its heads
+            if _tp_partial(name, p):
+                out["tp"].append(p.grad)
             if (
                 self.sizes["pp"] > 1
                 and self.tied
@@ -571,6 +578,13 @@ def _hf_param(state: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> 
 
 def _is_expert(name: str) -> bool:
     return ".experts." in name
+
+
+def _tp_partial(name: str, p: torch.Tensor) -> bool:
+    """Whether each tensor rank holds only part of this replicated parameter's gradient:
+    norms and the router under sequence parallel (a rank saw ``1/t`` of the tokens; Megatron
+    marks them ``sequence_parallel``), q/k norms (a rank saw only its heads)."""
+    return bool(getattr(p, "sequence_parallel", False)) or "q_layernorm" in name or "k_layernorm" in name
 
 
 def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:

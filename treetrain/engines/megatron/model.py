@@ -34,6 +34,9 @@ with warnings.catch_warnings():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -85,9 +88,13 @@ def qkv_bias(hf: Any) -> bool:
     return hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
 
 
-def transformer_config(hf: Any, *, recompute: bool) -> TransformerConfig:
+def transformer_config(hf: Any, *, recompute: bool, dispatcher: str = "allgather") -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama/Qwen2/Qwen3(-MoE) config and the current
-    parallel state. fp32 parameters (master weights); bf16/fp16 run under autocast."""
+    parallel state. fp32 parameters (master weights); bf16/fp16 run under autocast. Tensor
+    parallel always runs with sequence parallel: the norms and residual adds run on a
+    rank's ``1/t`` of the tokens, the linears all-gather and reduce-scatter them.
+    ``dispatcher``: Megatron's MoE token dispatcher (``allgather``: the engine's; ``alltoall``
+    is checked on GPU by ``bench/megatron_gpu.py``)."""
     check_family(hf)
     moe: dict[str, Any] = {}
     if hf.model_type == "qwen3_moe":
@@ -99,7 +106,7 @@ def transformer_config(hf: Any, *, recompute: bool) -> TransformerConfig:
             "num_moe_experts": hf.num_experts,
             "moe_router_topk": hf.num_experts_per_tok,
             "moe_ffn_hidden_size": hf.moe_intermediate_size,
-            "moe_token_dispatcher_type": "allgather",
+            "moe_token_dispatcher_type": dispatcher,
             "moe_router_load_balancing_type": "aux_loss",
             "moe_aux_loss_coeff": 0.0,  # the RL loss adds no router aux loss (see engine docs)
             "moe_router_pre_softmax": False,
@@ -139,7 +146,7 @@ def transformer_config(hf: Any, *, recompute: bool) -> TransformerConfig:
         context_parallel_size=ps.get_context_parallel_world_size(),
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
-        sequence_parallel=False,  # the local spec's torch norms refuse it without TE/apex
+        sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1,
         recompute_granularity=None,  # recompute is ours (full_recompute below): it replays TreeInput
         **moe,
     )
@@ -165,6 +172,64 @@ def rope_inv_freq(hf: Any) -> torch.Tensor:
     if scaling != 1.0:
         raise EngineConfigError(f"rope_type {kind!r} scales attention by {scaling}; not supported here")
     return inv.float()
+
+
+# -- layer specs ------------------------------------------------------------------------------
+
+
+class TreeRMSNorm(nn.Module):
+    """RMSNorm for Megatron's local spec (any of its norms: before attention and MLP, q/k,
+    final). Megatron's torch-norm wrapper refuses sequence parallel; this one runs on whatever
+    rows it gets and marks its weight ``sequence_parallel`` when the config is, so that the
+    engine sums its gradient over the tensor ranks (each saw ``1/t`` of the tokens), as
+    Megatron does for TransformerEngine's norms."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def transformer_engine_available() -> bool:
+    """Whether TransformerEngine imports (a CUDA install: its layer spec is then used)."""
+    try:
+        import transformer_engine  # type: ignore[import-not-found]  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install failing at import
+        return False
+    return True
+
+
+def layer_spec(config: TransformerConfig, *, te: bool) -> ModuleSpec | TransformerBlockSubmodules:
+    """Megatron's layer spec with tree core attention. ``te``: TransformerEngine's (norms
+    fused into the next linear, its own sequence-parallel norms); otherwise the local spec
+    with :class:`TreeRMSNorm` for every norm, the final one included (it is named by the block,
+    not the layer: hence whole-block submodules)."""
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm
+        )
+        spec.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+        return spec
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        normalization="RMSNorm",
+    )
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    attention.core_attention = TreeCoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = TreeRMSNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = TreeRMSNorm
+    n = get_num_layers_to_build(config, pp_rank=ps.get_pipeline_model_parallel_rank())
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=TreeRMSNorm)
 
 
 # -- tree pieces ------------------------------------------------------------------------------
@@ -264,15 +329,20 @@ def prefix_meta(meta: TreeAttentionMeta, end: int) -> TreeAttentionMeta:
 
 
 class ValueHead(nn.Module):
-    """The critic's output layer (replaces the LM head): hidden ``[N, 1, h]`` -> ``[N, 1, 1]``."""
+    """The critic's output layer (replaces the LM head): hidden ``[N, 1, h]`` -> ``[N, 1, 1]``.
+    Under sequence parallel a rank holds ``N / t`` rows: they are all-gathered first, and the
+    backward keeps this rank's rows of the (identical on every tensor rank) output gradient."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, *, sequence_parallel: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(1, hidden_size))
         self.bias = nn.Parameter(torch.zeros(1))
+        self.sequence_parallel = sequence_parallel
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's init
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, **_: Any) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return F.linear(hidden, self.weight, self.bias), None
 
 
@@ -283,8 +353,12 @@ def full_recompute(model: GPTModel) -> None:
     for layer in model.decoder.layers:
         inner = layer.forward
 
-        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def replay(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+            with megatron_quiet():  # the replay runs in backward, outside TreeGPT.forward's
+                return _inner(*args, **kwargs)
+
+        def forward(*args: Any, _replay: Any = replay, **kwargs: Any) -> Any:
+            return checkpoint(_replay, *args, use_reentrant=False, **kwargs)
 
         layer.forward = forward
 
@@ -295,13 +369,15 @@ class TreeGPT(nn.Module):
 
     gpt: Any  # megatron's GPTModel (untyped)
 
-    def __init__(self, hf: Any, *, role: str, recompute: bool, seed: int) -> None:
+    def __init__(
+        self, hf: Any, *, role: str, recompute: bool, seed: int, te: bool = False, dispatcher: str = "allgather"
+    ) -> None:
         super().__init__()
         with megatron_quiet():
-            self._build(hf, role=role, recompute=recompute, seed=seed)
+            self._build(hf, role=role, recompute=recompute, seed=seed, te=te, dispatcher=dispatcher)
 
-    def _build(self, hf: Any, *, role: str, recompute: bool, seed: int) -> None:
-        config = transformer_config(hf, recompute=recompute)
+    def _build(self, hf: Any, *, role: str, recompute: bool, seed: int, te: bool, dispatcher: str) -> None:
+        config = transformer_config(hf, recompute=recompute, dispatcher=dispatcher)
         tp = config.tensor_model_parallel_size
         if hf.vocab_size % tp:
             raise EngineConfigError(f"vocab_size {hf.vocab_size} does not split over t{tp}; pick t dividing it")
@@ -313,13 +389,7 @@ class TreeGPT(nn.Module):
             raise EngineConfigError(
                 f"{hf.num_hidden_layers} layers do not split over p{config.pipeline_model_parallel_size}"
             )
-        spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=False,
-            qk_layernorm=config.qk_layernorm,
-            normalization="RMSNorm",
-        )
-        spec.submodules.self_attention.submodules.core_attention = TreeCoreAttention
+        spec = layer_spec(config, te=te)
         self.config = config
         self.hf_config = copy.deepcopy(hf)
         self.role = role
@@ -345,7 +415,7 @@ class TreeGPT(nn.Module):
         if hasattr(self.gpt, "rotary_pos_emb"):
             self.gpt.rotary_pos_emb = TreeRotary(rope_inv_freq(hf))
         if role == "critic" and self.post_process:
-            self.gpt.output_layer = ValueHead(hf.hidden_size)
+            self.gpt.output_layer = ValueHead(hf.hidden_size, sequence_parallel=config.sequence_parallel)
         if recompute:
             full_recompute(self.gpt)
 
@@ -362,6 +432,10 @@ class TreeGPT(nn.Module):
         pos = tree.positions_N[None] if ids is not None else None
         # MoE layers leave padding out of routing (and of any router loss).
         padding = tree.padding_N[None] if self.config.num_moe_experts else None
+        if padding is not None and self.config.sequence_parallel and not self.pre_process:
+            # GPTModel splits the padding over the tensor ranks only on the first stage.
+            rows = padding.shape[1] // self.config.tensor_model_parallel_size
+            padding = padding[:, ps.get_tensor_model_parallel_rank() * rows :][:, :rows]
         with megatron_quiet():
             out: torch.Tensor = self.gpt(input_ids=ids, position_ids=pos, attention_mask=tree, padding_mask=padding)
         if not self.post_process:
