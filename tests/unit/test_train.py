@@ -422,7 +422,9 @@ def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["archon:d2", "megatron:t2", "megatron:p2", "megatron:(attn:d2|ffn:t2)"])
+@pytest.mark.parametrize(
+    "backend", ["archon:d2", "archon:p2", "megatron:t2", "megatron:p2", "megatron:(attn:d2|ffn:t2)"]
+)
 def test_torchrun_archon_trains_tree_packed_grpo(tmp_path: Path, backend: str) -> None:
     """The Archon and Megatron engines under torchrun (2 CPU ranks, gloo): 2 tree-packed GRPO
     steps with local rollout sampled by a Hugging Face model that follows the engine's weights

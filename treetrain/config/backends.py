@@ -26,10 +26,7 @@ ENGINES: dict[str, EngineSupport] = {
     "megatron": EngineSupport(built=True, refused={}),
     "archon": EngineSupport(
         built=True,
-        refused={
-            "pp": "pipeline parallelism is not built in the archon engine yet",
-            "ep": "expert parallelism is not built in the archon engine yet",
-        },
+        refused={},
     ),
 }
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,15 @@ from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import SafetensorsDir, from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
-from treetrain.engines.archon.parallelize import check_tp, parallelize
+from treetrain.engines.archon.parallelize import check_ep, check_tp, parallelize
+from treetrain.engines.archon.pipeline import (
+    StageShapes,
+    exchange_tied_grad,
+    keep_stage,
+    pad_tree,
+    run_schedule,
+    stage_layers,
+)
 from treetrain.engines.base import (
     LOSS_STAT,
     Engine,
@@ -49,6 +57,18 @@ from treetrain.engines.fsdp.engine import scale_grads
 from treetrain.engines.fsdp.model import ModelSource
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+
+
+@dataclass(slots=True)
+class _Inputs:
+    """One micro-batch's model inputs on this rank: token ids (first stage) and the keyword
+    arguments every stage reads, plus the gather indices of its log-probs."""
+
+    tokens_n: torch.Tensor
+    kwargs: dict[str, Any]  # positions_N, tree, valid_N (this context rank's rows)
+    pred_M: torch.Tensor
+    label_M: torch.Tensor
+    mine_M: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -99,6 +119,25 @@ class ArchonEngine(Engine):
     def vocab_size(self) -> int:
         return self.args.vocab_size
 
+    @property
+    def first_stage(self) -> bool:
+        return self.layout.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.layout.pp_rank == self.layout.pp - 1
+
+    def _split_tie(self) -> torch.Tensor | None:
+        """This stage's copy of a tied embedding / head split over two stages (None: not split)."""
+        if self.layout.pp == 1 or not self.args.tie_embeddings or self.role == "critic":
+            return None
+        m = self._transformer()
+        if self.first_stage and m.tok_embeddings is not None:
+            return m.tok_embeddings.weight
+        if self.last_stage and m.output is not None:
+            return m.output.weight
+        return None
+
     # -- building --------------------------------------------------------------------------
     def _build(self) -> Transformer:
         """Build on the meta device, shard, allocate only this rank's shards, then load: every
@@ -108,8 +147,14 @@ class ArchonEngine(Engine):
         args, layout = self.args, self.layout
         with torch.device("meta"):
             model = Transformer(args, value_head=self.role == "critic")
-            if args.tie_embeddings and model.output is not None:
-                assert model.tok_embeddings is not None
+            if layout.pp > 1:
+                # Balanced by cost (attention at the largest tree, the head on the last stage).
+                split = stage_layers(
+                    args, layout.pp, tokens=self.tree.max_tokens_per_mb, value_head=self.role == "critic"
+                )
+                keep_stage(model, split[layout.pp_rank], first=self.first_stage, last=self.last_stage)
+            # Tied on one stage; across stages the two copies get summed gradients instead.
+            if args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
                 model.output.weight = model.tok_embeddings.weight
         model.to(self.param_dtype)
         parallelize(
@@ -167,7 +212,7 @@ class ArchonEngine(Engine):
         return pack(sequences, self._pack_config(tree=use_tree))
 
     # -- one micro-batch -------------------------------------------------------------------
-    def _run(self, tree: PackedTree, *, entropy: bool) -> _Run:
+    def _inputs(self, tree: PackedTree) -> _Inputs:
         device = self.layout.device
         t = TreeTensors.from_tree(tree, device)
         meta = TreeAttentionMeta.from_tree(tree, backend=self.attention, block_size=self.block_size, device=device)
@@ -179,21 +224,60 @@ class ArchonEngine(Engine):
         if c > 1:
             mine_M = (pred_M >= r0) & (pred_M < r0 + n)
             pred_M, label_M = pred_M[mine_M] - r0, label_M[mine_M]
-        raw = self.model(t.input_ids_N[r0 : r0 + n], t.position_ids_N[r0 : r0 + n], meta, valid_N[r0 : r0 + n])
+        kwargs = {"positions_N": t.position_ids_N[r0 : r0 + n], "tree": meta, "valid_N": valid_N[r0 : r0 + n]}
+        return _Inputs(t.input_ids_N[r0 : r0 + n], kwargs, pred_M, label_M, mine_M)
+
+    def _outputs(self, x: _Inputs, raw: torch.Tensor, *, entropy: bool) -> _Run:
+        """Log-probs or values of the gathered positions from the head's output (last stage)."""
         if isinstance(raw, DTensor):
             raw = raw.to_local()  # a replicated value head under tensor parallel
         if self.role == "critic":
-            out = MicroBatchOutput(values=raw[pred_M].float())
+            out = MicroBatchOutput(values=raw[x.pred_M].float())
             anchor = raw.sum() * 0.0
         else:
-            logp_M, ent_M = gather_logprobs(raw, pred_M, label_M, with_entropy=entropy)
+            logp_M, ent_M = gather_logprobs(raw, x.pred_M, x.label_M, with_entropy=entropy)
             out = MicroBatchOutput(logprobs=logp_M, entropy=ent_M)
             anchor = raw[:1, :1].sum() * 0.0
         aux = None
         if self.args.use_aux_loss and self.model.training:
             found = self._transformer().moe_aux_loss()
             aux = None if found is None else found * self.args.router_aux_loss_coef
-        return _Run(out=out, mine_M=mine_M, anchor=anchor, aux=aux)
+        return _Run(out=out, mine_M=x.mine_M, anchor=anchor, aux=aux)
+
+    def _run(self, tree: PackedTree, *, entropy: bool) -> _Run:
+        x = self._inputs(tree)
+        return self._outputs(x, self.model(x.tokens_n, **x.kwargs), entropy=entropy)
+
+    def _pipeline(
+        self,
+        trees: Sequence[PackedTree],
+        size: int,
+        on_run: Callable[[PackedTree, _Run], torch.Tensor | None],
+        *,
+        entropy: bool,
+        train: bool,
+    ) -> None:
+        """Every micro-batch through the pipeline stages, each tree padded to ``size`` (the
+        step's largest: one shape per step). ``on_run`` runs on the last stage and returns the
+        scalar to backward (``train``)."""
+        if not trees:
+            return
+        padded = [pad_tree(t, size) for t in trees]
+        xs = [self._inputs(t) for t in padded]
+        n = size // self.layout.cp
+        d = self.args.dim
+        shapes = StageShapes(
+            tokens=(n,),
+            hidden=(n // self.layout.tp, d),  # sequence parallel: a tensor rank's token shard
+            output=(n,) if self.role == "critic" else (n, self.args.vocab_size),
+            dtype=self.compute_dtype,
+        )
+
+        def on_output(i: int, raw: torch.Tensor) -> torch.Tensor:
+            scalar = on_run(padded[i], self._outputs(xs[i], raw, entropy=entropy))
+            return scalar if scalar is not None else torch.zeros((), device=raw.device)
+
+        run_schedule(self.model, self.layout, shapes, [(x.tokens_n, x.kwargs) for x in xs], on_output, train=train)
 
     def _transformer(self) -> Transformer:
         assert isinstance(self.model, Transformer)
@@ -218,18 +302,33 @@ class ArchonEngine(Engine):
         device = self.layout.device
         totals = StatTotals(device)
         trees = packed.rank_trees(self.layout.dp_rank)
-        for tree_mb in trees:
-            run = self._run(tree_mb, entropy=loss.needs_entropy)
+
+        def scaled_loss(tree_mb: PackedTree, run: _Run) -> torch.Tensor:
             mask_M = pack_sequence_tensors(tree_mb, batch.loss_mask).to(device)
             inputs = {k: pack_sequence_tensors(tree_mb, v).to(device) for k, v in batch.tensors.items()}
             if run.mine_M is not None:
                 mask_M = mask_M[run.mine_M]
                 inputs = {k: v[run.mine_M] for k, v in inputs.items()}
             mb_loss, stats = loss(run.out, mask_M, inputs)
-            extra = run.anchor if run.aux is None else run.anchor + run.aux * total / len(trees)
-            torch.autograd.backward((mb_loss + extra) * scale)
             totals.add({LOSS_STAT: mb_loss, **stats})
+            extra = run.anchor if run.aux is None else run.anchor + run.aux * total / len(trees)
+            return (mb_loss + extra) * scale
+
+        if self.layout.pp > 1:
+            # The schedule backwards each scalar as it is (scale_grads=False): scaled once, here.
+            size = max(t.padded_len for t in packed.trees)
+            self._pipeline(trees, size, scaled_loss, entropy=loss.needs_entropy, train=True)
+            tied = self._split_tie()
+            if tied is not None:
+                exchange_tied_grad(tied, self.layout)
+        else:
+            for tree_mb in trees:
+                torch.autograd.backward(scaled_loss(tree_mb, self._run(tree_mb, entropy=loss.needs_entropy)))
         host = totals.reduce(total, self._sum_group())
+        if self.layout.pp > 1:  # only the last stage saw the loss
+            got: list[Any] = [host]
+            dist.broadcast_object_list(got, group=self.layout.group("pp"), group_src=self.layout.pp - 1)
+            host = got[0]
         s = packed.stats
         return StepStats(
             loss=host.pop(LOSS_STAT, 0.0),
@@ -251,8 +350,8 @@ class ArchonEngine(Engine):
         packed = self.pack(batch, tree=tree)
         lengths = [len(s) - 1 for s in batch]
         mine: dict[int, torch.Tensor] = {}
-        for tree_mb in packed.rank_trees(self.layout.dp_rank):
-            run = self._run(tree_mb, entropy=False)
+
+        def collect(tree_mb: PackedTree, run: _Run) -> None:
             part = run.out.values if self.role == "critic" else run.out.logprobs
             assert part is not None
             flat = part.float()
@@ -260,14 +359,31 @@ class ArchonEngine(Engine):
                 flat = torch.zeros(run.mine_M.shape[0], device=part.device).masked_scatter_(run.mine_M, flat)
                 dist.all_reduce(flat, group=self.layout.group("cp"))
             mine.update(unpack_sequence_tensors(tree_mb, flat.cpu(), lengths))
-        if self.layout.dp > 1:
-            gathered: list[Any] = [None] * self.layout.dp
-            dist.all_gather_object(gathered, mine, group=self.layout.group("dp"))
+
+        trees = packed.rank_trees(self.layout.dp_rank)
+        if self.layout.pp > 1:
+            self._pipeline(trees, max(t.padded_len for t in packed.trees), collect, entropy=False, train=False)
+        else:
+            for tree_mb in trees:
+                collect(tree_mb, self._run(tree_mb, entropy=False))
+        # Every data rank's sequences (pipeline: from the last stage) to every rank.
+        pipelined = self.layout.pp > 1
+        size = self.layout.world_size if pipelined else self.layout.dp
+        if size > 1:
+            gathered: list[Any] = [None] * size
+            dist.all_gather_object(gathered, mine, group=None if pipelined else self.layout.group("dp"))
             for got in gathered:
                 mine.update(got)
         return [mine[i] for i in range(len(batch))]
 
     # -- optimizer -------------------------------------------------------------------------
+    def norm_params(self) -> list[torch.Tensor]:
+        """The parameters the gradient norm counts: all, but a tied head split over two stages
+        once (the last stage's copy holds the same summed gradient as the first's)."""
+        tied = self._split_tie()
+        skip = tied if tied is not None and not self.first_stage else None
+        return [p for p in self.model.parameters() if p is not skip]
+
     def zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -279,7 +395,7 @@ class ArchonEngine(Engine):
             raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
         cfg = self.optim
         params = list(self.model.parameters())
-        norm = float(grad_norm(params, stages=self.layout.pp, device=self.layout.device))  # host sync: once per step
+        norm = float(grad_norm(self.norm_params(), stages=self.layout.pp, device=self.layout.device))  # host sync
         if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
             scale_grads(params, cfg.max_grad_norm / (norm + 1e-6))
         warm = cfg.warmup_steps
@@ -298,7 +414,7 @@ class ArchonEngine(Engine):
 
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_optim_keys())
         return {"model": model_sd, "optim": optim_sd}
 
     def save(self, path: Path, extra: Mapping[str, Any]) -> None:
@@ -341,7 +457,11 @@ class ArchonEngine(Engine):
                 set_model_state_dict(self.model, state["model"])
             else:
                 set_state_dict(
-                    self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                    options=_optim_keys(),
                 )
         except (RuntimeError, KeyError, ValueError) as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -360,12 +480,23 @@ class ArchonEngine(Engine):
 
     # -- Hugging Face weights ----------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Our full (unsharded) tensors on the CPU, on every rank (a collective per sharded tensor)."""
+        """Our full (unsharded) tensors of every pipeline stage on the CPU, on every rank (a
+        collective per sharded tensor, one gather over the stages)."""
         out = {}
         for name, t in self.model.state_dict().items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
             out[name] = full.detach().cpu()
-        return out
+        return self._merge_stages(out)
+
+    def _merge_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.layout.pp == 1:
+            return mine
+        every: list[Any] = [None] * self.layout.pp
+        dist.all_gather_object(every, mine, group=self.layout.group("pp"))
+        merged: dict[str, torch.Tensor] = {}
+        for part in every:
+            merged.update(part)
+        return merged
 
     def export_hf(self, path: Path) -> None:
         """Safetensors + config that transformers (and rollout servers) load; rank 0 writes,
@@ -393,7 +524,7 @@ class ArchonEngine(Engine):
             if p.grad is not None:
                 g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                 out[name] = g.detach().cpu().clone()
-        return out
+        return self._merge_stages(out)
 
     # -- local rollout -----------------------------------------------------------------------
     def sampling_model(self) -> nn.Module:
@@ -419,6 +550,14 @@ class ArchonEngine(Engine):
         with torch.no_grad():
             for name, p in self._sampler.state_dict().items():
                 _copy_into(p, name, hf)
+
+
+def _optim_keys() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Optimizer state and hyper-parameters keyed by parameter name: pipeline stages hold
+    # different parameters, and a list of param groups per stage would collide in DCP.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 _ARCHITECTURES = {
@@ -450,6 +589,19 @@ def _copy_into(target: torch.Tensor, name: str, hf: Mapping[str, torch.Tensor]) 
 def _check_layout(args: ModelArgs, layout: ArchonLayout) -> None:
     if layout.tp > 1:
         check_tp(args, layout.tp)
+    if layout.pp > args.n_layers:
+        raise EngineConfigError(
+            f"p{layout.pp} needs at least {layout.pp} layers (one per stage); the model has {args.n_layers}; "
+            f"fix: p <= {args.n_layers}"
+        )
+    if layout.pp > 1 and args.use_aux_loss:
+        # Each stage's routers would add a loss term that the schedule cannot backward.
+        raise EngineConfigError(
+            f"p{layout.pp} with the MoE load-balancing loss (output_router_logits) is not built in the archon "
+            "engine; fix: set output_router_logits=false or drop p"
+        )
+    if layout.ep * layout.etp > 1:
+        check_ep(args, layout.allocation.dims)
 
 
 # -- gradients -------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class ArchonLayout(ParallelLayout):
     """This process's place in the ``(pp, dp, cp, tp)`` grid; ``mesh`` is the parameter mesh."""
 
     grid: DeviceMesh | None = None
-    experts: DeviceMesh | None = None
+    experts: DeviceMesh | None = None  # only when experts are sharded (e or ffn t > 1)
 
     @property
     def pp(self) -> int:
@@ -55,6 +55,10 @@ class ArchonLayout(ParallelLayout):
     @property
     def ep(self) -> int:
         return self.allocation.dims.ep
+
+    @property
+    def etp(self) -> int:
+        return self.allocation.dims.etp
 
     def _local(self, dim: str) -> int:
         return self.grid[dim].get_local_rank() if self.grid is not None else 0
@@ -103,7 +107,7 @@ def init_layout(allocation: Allocation, *, timeout_s: float = 1800.0) -> ArchonL
         mesh=init_device_mesh(kind, shapes["mesh"], mesh_dim_names=MESH_DIMS),
         grid=init_device_mesh(kind, shapes["grid"], mesh_dim_names=GRID_DIMS),
         experts=init_device_mesh(kind, shapes["experts"], mesh_dim_names=EXPERT_DIMS)
-        if allocation.dims.ep > 1
+        if allocation.dims.ep * allocation.dims.etp > 1
         else None,
     )
     _LAYOUTS[allocation] = (dist.group.WORLD, layout)

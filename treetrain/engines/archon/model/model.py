@@ -129,7 +129,8 @@ class FeedForward(nn.Module):
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights. Input rows arrive sorted by expert with
-    ``counts_E`` rows each; expert parallel moves rows between ranks around this call."""
+    ``counts_E`` rows each. Expert parallel moves rows between ranks around this call (hooks),
+    so that here the rows and counts are those of the experts this rank holds."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()

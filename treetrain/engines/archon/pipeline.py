@@ -1,0 +1,212 @@
+"""Pipeline parallel for the Archon engine over the ``pp`` mesh dimension, on
+``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``).
+
+Each stage owns a contiguous slice of the layers (the first also the embedding, the last the
+final norm and the head), chosen by :func:`split_layers` from per-layer costs. Every rank
+holds the whole batch and packs it the same way, so every stage builds each micro-batch's
+tree metadata itself: it reaches the stage as keyword arguments (positions, the tree mask,
+the padding mask), and only hidden states travel between stages. Pipelining needs one shape
+per step, so a step's trees are padded to its largest (:func:`pad_tree`: padding tokens
+attend only to themselves and are never gathered into the loss); the stage is rebuilt with
+that step's shapes (static metadata: no inference pass).
+
+Letters: L layers, S stages, M micro-batches, N padded tree tokens, n rows on one context
+rank, d model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from treetrain.engines.archon.layout import ArchonLayout
+from treetrain.engines.archon.model import ModelArgs, Transformer
+from treetrain.tree import PAD_TOKEN_ID, PackedTree
+
+# -- the layer split -------------------------------------------------------------------------
+
+
+def layer_costs(args: ModelArgs, tokens: int) -> list[float]:
+    """Forward FLOPs of each layer on one tree of ``tokens`` tokens. Attention is counted at
+    a full causal mask (an upper bound: a tree mask only removes pairs), so longer trees make
+    the layers heavier relative to the head."""
+    d, hd = args.dim, args.n_heads * args.head_dim
+    proj = 2 * d * (hd + 2 * args.n_kv_heads * args.head_dim) + 2 * hd * d
+    attention = 2 * hd * (tokens + 1)  # q.k and p.v, each query over (tokens + 1) / 2 keys on average
+    dense = 6 * d * args.ffn_dim
+    moe = 2 * d * args.n_experts + args.top_k * 6 * d * args.moe_ffn_dim
+    return [float(tokens * (proj + attention + (moe if i in args.moe_layers else dense))) for i in range(args.n_layers)]
+
+
+def head_cost(args: ModelArgs, tokens: int, *, value_head: bool) -> float:
+    """Forward FLOPs of the last stage's extra work: the final norm and the head (the
+    vocabulary projection and its log-softmax, or one value per token)."""
+    head = 2 * args.dim + 1 if value_head else 2 * args.dim * args.vocab_size + 4 * args.vocab_size
+    return float(tokens * (4 * args.dim + head))
+
+
+def split_layers(costs: Sequence[float], stages: int, *, first: float = 0.0, last: float = 0.0) -> list[range]:
+    """Contiguous layer ranges, one per stage and at least one layer each, that minimise the
+    costliest stage; the first stage also pays ``first`` (the embedding), the last ``last``
+    (the head). Among equal splits, earlier stages take more layers."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"{stages} pipeline stages need at least {stages} layers, the model has {n}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:
+        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
+
+    # best[s][j]: the cheapest costliest stage when stages 0..s hold layers 0..j-1.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    start = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = stage_cost(0, 0, j)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                worst = max(best[s - 1][i], stage_cost(s, i, j))
+                if worst <= best[s][j]:  # ties: the later start, so earlier stages take more
+                    best[s][j], start[s][j] = worst, i
+    ranges: list[range] = []
+    j = n
+    for s in range(stages - 1, 0, -1):
+        i = start[s][j]
+        ranges.append(range(i, j))
+        j = i
+    ranges.append(range(0, j))
+    return ranges[::-1]
+
+
+def stage_layers(args: ModelArgs, stages: int, *, tokens: int, value_head: bool) -> list[range]:
+    """The layer split of ``args`` over ``stages``, costed for trees of ``tokens`` tokens."""
+    return split_layers(layer_costs(args, tokens), stages, last=head_cost(args, tokens, value_head=value_head))
+
+
+def keep_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> None:
+    """Cut ``model`` (still on the meta device) down to one stage: its layers, the embedding
+    on the first stage, the final norm and heads on the last."""
+    for name in [k for k in model.layers if int(k) not in layers]:
+        del model.layers[name]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = model.output = model.value_head = None
+
+
+# -- fixed shapes ----------------------------------------------------------------------------
+
+
+def pad_tree(tree: PackedTree, padded_len: int) -> PackedTree:
+    """``tree`` with more padding tokens (each attends only to itself, position 0, never
+    gathered: the results do not change)."""
+    extra = padded_len - tree.padded_len
+    assert extra >= 0, (tree.padded_len, padded_len)
+    if extra == 0:
+        return tree
+    return dataclasses.replace(
+        tree,
+        padded_len=padded_len,
+        input_ids=[*tree.input_ids, *[PAD_TOKEN_ID] * extra],
+        position_ids=[*tree.position_ids, *[0] * extra],
+        token_node=[*tree.token_node, *[-1] * extra],
+        token_end=[*tree.token_end, *range(tree.padded_len + 1, padded_len + 1)],
+    )
+
+
+# -- one step through the pipeline -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageShapes:
+    """Per-step shapes of what crosses stages: the first stage's input ``[n]`` token ids, the
+    hidden states ``[n, d]`` (``n / t`` rows under sequence parallel) and the last stage's
+    output (``[n, V]`` logits or ``[n]`` values)."""
+
+    tokens: tuple[int, ...]
+    hidden: tuple[int, ...]
+    output: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def run_schedule(
+    model: nn.Module,
+    layout: ArchonLayout,
+    shapes: StageShapes,
+    inputs: Sequence[tuple[torch.Tensor, dict[str, Any]]],
+    on_output: Callable[[int, torch.Tensor], torch.Tensor],
+    *,
+    train: bool,
+) -> None:
+    """Run every micro-batch through the pipeline (GPipe: all forwards, then all backwards).
+
+    ``inputs[i]``: micro-batch ``i``'s token ids (read on the first stage) and keyword
+    arguments (every stage). ``on_output(i, out)`` runs on the last stage and returns the
+    scalar to backward, already scaled: the schedule does not divide it again
+    (``scale_grads=False``)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_id, stages, device = layout.pp_rank, layout.pp, layout.device
+    first, last = stage_id == 0, stage_id == stages - 1
+    # Static metadata (no inference pass): requires_grad on both sides tells each stage to
+    # send and receive the gradients of the hidden states.
+    if first:
+        example_in: torch.Tensor = torch.zeros(shapes.tokens, dtype=torch.long, device=device)
+    else:
+        example_in = torch.zeros(shapes.hidden, dtype=shapes.dtype, device=device, requires_grad=True)
+    out_shape = shapes.output if last else shapes.hidden
+    example_out = torch.zeros(out_shape, dtype=shapes.dtype, device=device, requires_grad=True)
+    stage = PipelineStage(
+        model, stage_id, stages, device, input_args=example_in, output_args=example_out, group=layout.group("pp")
+    )
+
+    def loss_fn(out: torch.Tensor, index: int) -> torch.Tensor:
+        if isinstance(out, DTensor):
+            out = out.to_local()  # a replicated value head under tensor parallel
+        return on_output(index, out)
+
+    schedule = ScheduleGPipe(stage, len(inputs), loss_fn=loss_fn, scale_grads=False)
+    mbs: dict[str, Any] = {
+        "kwarg_mbs": [kwargs for _, kwargs in inputs],
+        "target_mbs": list(range(len(inputs))),
+    }
+    if first:
+        mbs["arg_mbs"] = [(tokens,) for tokens, _ in inputs]
+    if train:
+        schedule.step(return_outputs=False, **mbs)
+    else:
+        schedule.eval(**mbs)
+
+
+def exchange_tied_grad(param: torch.Tensor, layout: ArchonLayout) -> None:
+    """Sum the tied embedding / head gradient between the first and last stage (the same
+    weight, used at both ends): each sends its local piece and adds the other's (the pieces
+    line up: both stages shard it alike over the same data x context and tensor ranks)."""
+    group = layout.group("pp")
+    peer = dist.get_global_rank(group, layout.pp - 1 if layout.pp_rank == 0 else 0)
+    grad = param.grad
+    if grad is None:  # no micro-batch ran: a zero gradient
+        grad = param.grad = torch.zeros_like(param)
+    if isinstance(grad, DTensor):
+        assert isinstance(param, DTensor)
+        if grad.placements != param.placements:
+            # Tensor parallel leaves the embedding's gradient in another layout than the head's.
+            grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+        local = grad.to_local()
+    else:
+        local = grad
+    theirs = torch.empty_like(local)
+    ops = [dist.P2POp(dist.isend, local.contiguous(), peer), dist.P2POp(dist.irecv, theirs, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    local.add_(theirs)
