@@ -1,0 +1,107 @@
+"""Peak memory of one training micro-batch on the CPU: a 32k-token tree vs the same sequences flat.
+
+    python bench/tree_memory.py [--engines fsdp archon megatron] [--tokens 32768] [--vocab 4096]
+
+The batch is ``bench/archon_gpu.py``'s: 8 samples of one shared prompt, half of ``--tokens``
+prompt and the rest split over the 8 answers, so the tree holds ``--tokens`` tokens and the
+flat micro-batch (the same sequences, one micro-batch, block-diagonal) about 4.5 times as
+many. One forward + chunked log-prob gather + backward through each engine's model (the tiny
+Llama of ``bench/train_step.py``, fp32, ``sparse`` attention). Each run is its own process;
+the figure is its peak RSS (``ru_maxrss``) minus its RSS just before the forward, so model,
+packing and imports are left out. ``bench/archon_gpu.py`` measures the same on a GPU
+(``torch.cuda.max_memory_allocated``) for a larger model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def batch(tokens: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n_prompt = tokens // 2
+    each = (tokens - n_prompt) // 8 - 16
+    prompt = torch.randint(0, vocab, (n_prompt,), generator=g).tolist()
+    return [prompt + torch.randint(0, vocab, (each,), generator=g).tolist() for _ in range(8)]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def one(engine: str, kind: str, tokens: int, vocab: int) -> dict[str, object]:
+    """Runs in a child process: one micro-batch's forward + backward, its peak memory."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from train_step import ENGINES, step, tiny_llama
+
+    from treetrain.tree import PackConfig, pack
+
+    torch.set_num_threads(1)
+    model = ENGINES[engine](tiny_llama(vocab)).train()
+    seqs = batch(tokens, vocab)
+    flat = kind == "flat"
+    cap = sum(len(s) for s in seqs) + 128 * len(seqs) if flat else tokens
+    packed = pack(seqs, PackConfig(max_tokens_per_mb=-(-cap // 128) * 128, block_size=128, share_prefixes=not flat))
+    assert len(packed.trees) == 1, f"{kind}: {len(packed.trees)} micro-batches"
+    before = _rss_mib()
+    step(model, packed, 128)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "engine": engine,
+        "kind": kind,
+        "tokens": packed.stats.tree_tokens,
+        "original_tokens": packed.stats.original_tokens,
+        "peak_mib": round(peak - before, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", nargs="+", default=["fsdp", "archon", "megatron"])
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--kinds", nargs="+", default=["tree", "flat"], help="tree, flat (flat needs ~4.5x the memory)")
+    p.add_argument("--one", nargs=2, metavar=("ENGINE", "KIND"), help=argparse.SUPPRESS)  # the child's job
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(one(a.one[0], a.one[1], a.tokens, a.vocab)))
+        return
+    print(f"one micro-batch, forward + backward, tiny Llama (vocab {a.vocab}), fp32, sparse attention, CPU")
+    print(f"{'engine':<9} {'tree tokens':>11} {'flat tokens':>11} {'tree MiB':>9} {'flat MiB':>9} {'flat/tree':>9}")
+    for engine in a.engines:
+        nan: dict[str, object] = {"tokens": 0, "peak_mib": float("nan")}
+        got = {"tree": nan, "flat": nan}
+        for kind in a.kinds:
+            cmd = [sys.executable, __file__, "--one", engine, kind, "--tokens", str(a.tokens), "--vocab", str(a.vocab)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                got[kind] = {"tokens": 0, "peak_mib": float("nan"), "error": tail[0]}
+                print(f"{engine} {kind}: failed ({'killed: out of memory?' if done.returncode < 0 else tail[0]})")
+                continue
+            got[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+        t, f = got["tree"], got["flat"]
+        print(
+            f"{engine:<9} {t['tokens']:>11} {f['tokens']:>11} {t['peak_mib']:>9.0f} {f['peak_mib']:>9.0f} "
+            f"{f['peak_mib'] / t['peak_mib']:>8.2f}x",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
