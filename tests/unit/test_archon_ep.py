@@ -115,13 +115,9 @@ def test_expert_parallel_matches_transformers(tmp_path: Path) -> None:
 def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
     """``treetrain train`` under torchrun (2 CPU ranks, gloo) with ``archon:(attn:d2|ffn:e2)``:
     2 tree-packed GRPO steps on a tiny Qwen3-MoE, local rollout sampled from the gathered experts."""
-    import socket
-    import subprocess
-    import sys
 
-    import yaml
     from test_archon import FAMILY_CONFIGS
-    from test_train import _merge, small
+    from test_train import _merge, small, step_lines, torchrun
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {**FAMILY_CONFIGS["qwen3_moe"], "vocab_size": 512}  # the parity task's token ids
@@ -132,18 +128,9 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
     backend = "archon:(attn:d2|ffn:e2)"
     raw = _merge(small(), {"model": {"path": str(tmp_path / "moe")}, "actor": {"backend": backend}})
     raw["trainer"]["steps"] = 2
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
+    done = torchrun(raw, tmp_path / "c.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["step 1/2", "step 2/2"], done.stdout[-2000:]
+    assert step_lines(done) == ["step 1/2", "step 2/2"], done.stdout[-2000:]
     assert backend in done.stdout and "tree packing on" in done.stdout
 
 

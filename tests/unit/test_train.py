@@ -388,34 +388,38 @@ def test_the_embedded_default_is_a_valid_config() -> None:
     assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400
 
 
+def torchrun(config: dict[str, Any], path: Path, *extra: str, restart: int = 0) -> subprocess.CompletedProcess[str]:
+    """``treetrain train`` under torchrun with 2 CPU ranks (what a trainer pod runs), ``config``
+    written to ``path``; rendezvous on a free loopback port."""
+    import socket
+
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path), *extra]
+    env["TREETRAIN_RESTART"] = str(restart)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
+
+
+def step_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
     """What a trainer pod runs: torchrun, 2 CPU ranks (fsdp:d2, gloo), local rollout sampled by the
     sharded model, a sharded checkpoint, then a restarted gang that resumes from it."""
-    import socket
-
     raw = _merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 2}})
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
 
-    def torchrun(*extra: str, restart: int = 0) -> subprocess.CompletedProcess[str]:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-        cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path), *extra]
-        run_env = {**env, "TREETRAIN_RESTART": str(restart)}
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=run_env, check=False)
-
-    first = torchrun()
+    first = torchrun(raw, path)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert [line.split("|")[0].strip() for line in first.stdout.splitlines() if line.startswith("step ")] == [
-        "step 1/2",
-        "step 2/2",
-    ]  # one line per step: only rank 0 prints
+    assert step_lines(first) == ["step 1/2", "step 2/2"]  # one line per step: only rank 0 prints
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
-    second = torchrun("--steps", "3", restart=1)
+    second = torchrun(raw, path, "--steps", "3", restart=1)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 3/3" in second.stdout
     assert "step 1/3" not in second.stdout
@@ -430,21 +434,10 @@ def test_torchrun_archon_trains_tree_packed_grpo(tmp_path: Path, backend: str) -
     steps with local rollout sampled by a Hugging Face model that follows the engine's weights
     (the hybrid string runs the dense built-in model: its ffn section sets expert tensor
     parallel, which a dense model ignores; MoE layers are tested in test_megatron_dist.py)."""
-    import socket
-
     raw = _merge(small(), {"actor": {"backend": backend}, "trainer": {"steps": 2}})
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
+    done = torchrun(raw, tmp_path / "c.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
-    steps = [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert steps == ["step 1/2", "step 2/2"], done.stdout[-2000:]
+    assert step_lines(done) == ["step 1/2", "step 2/2"], done.stdout[-2000:]
     assert backend in done.stdout and "tree packing on" in done.stdout
 
 
