@@ -36,9 +36,10 @@ def _tokens(prompt: list[int], n: int) -> list[int]:
 class FakeServer:
     """A stand-in rollout server of one ``kind`` (sglang or vllm) on 127.0.0.1."""
 
-    def __init__(self, kind: str, *, fail_first: int = 0, pause_routes: bool = True) -> None:
+    def __init__(self, kind: str, *, fail_first: int = 0, pause_routes: bool = True, extension: bool = True) -> None:
         self.kind = kind
         self.pause_routes = pause_routes
+        self.extension = extension  # vLLM: started with our worker extension
         self.calls: list[tuple[str, str, Any]] = []
         self.fail_first = fail_first
         self.weight_version: Any = "default" if kind == "sglang" else None  # what a fresh server reports
@@ -138,7 +139,9 @@ class FakeServer:
             if path.startswith(("/pause", "/resume", "/reset_prefix_cache")):
                 return 200, {}
             if path == "/collective_rpc":
-                if body["method"] == "set_weight_version":
+                if body["method"] != "reload_weights" and not self.extension:  # as vLLM answers it
+                    return 500, {"error": f"AttributeError: no attribute {body['method']!r}"}
+                if body["method"] == "load_weights_from_disk":
                     self.weight_version = body["kwargs"]["version"]
                 if body["method"] == "loaded_weight_version":
                     v = self.weight_version  # vLLM's route answers results as strings, None as null
@@ -249,11 +252,32 @@ def weights_dir(path: Path) -> Path:
 
 
 def test_vllm_weight_sync_sequence(vllm: FakeServer, tmp_path: Path) -> None:
-    VLLMRollout(endpoints=[vllm.url]).update_weights(str(weights_dir(tmp_path)), 1)
+    """With our worker extension (it answers loaded_weight_version) the directory is loaded by
+    it, as a broadcast is, and the version recorded (restarts show)."""
+    client = VLLMRollout(endpoints=[vllm.url])
+    client.update_weights(str(weights_dir(tmp_path)), 1)
     assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
-    reload, version = [b for m, p, b in vllm.calls if p == "/collective_rpc"]
-    assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
-    assert version == {"method": "set_weight_version", "kwargs": {"version": 1}}  # restarts show
+    probe, load = [b for m, p, b in vllm.calls if p == "/collective_rpc"]
+    assert probe == {"method": "loaded_weight_version", "kwargs": {}}
+    assert load == {"method": "load_weights_from_disk", "kwargs": {"weights_path": str(tmp_path), "version": 1}}
+    assert client.stale_servers(1) == []
+
+
+def test_vllm_without_our_extension_reloads_with_its_own_method(tmp_path: Path) -> None:
+    plain = FakeServer("vllm", extension=False)
+    try:
+        VLLMRollout(endpoints=[plain.url]).update_weights(str(weights_dir(tmp_path)), 1)
+        assert plain.paths() == [
+            "/pause?mode=keep",
+            "/collective_rpc",
+            "/collective_rpc",
+            "/reset_prefix_cache",
+            "/resume",
+        ]
+        reload = [b for m, p, b in plain.calls if p == "/collective_rpc"][-1]
+        assert reload == {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path)}}
+    finally:
+        plain.close()
 
 
 def test_vllm_never_asks_to_load_incomplete_weights(vllm: FakeServer, tmp_path: Path) -> None:

@@ -64,8 +64,8 @@ def vllm(vllm_server: VLLMServer, request: pytest.FixtureRequest) -> VLLMServer:
     if vllm_server.proc is None or vllm_server.proc.poll() is not None:
         _up(vllm_server, request.config)
     assert http("POST", vllm_server.url + "/resume")[0] == 200
-    # The model's own weights, broadcast (exact; vLLM's own reload_weights from disk is not, see
-    # test_real_vllm.py), as version 0.
+    # The model's own weights, broadcast as version 0 (they name no lm_head.weight: our extension
+    # loads the tied lm_head too).
     from safetensors.torch import load_file
 
     from treetrain import config as C

@@ -3,8 +3,9 @@
 Every source takes token-id prompts and returns token ids plus the sampler's log-probs
 (the *behaviour* log-probs decoupled PPO needs). Remote sources reload weights from disk:
 the trainer saves Hugging Face weights to a shared path, then asks every server to load
-them (SGLang ``/update_weights_from_disk``; vLLM ``/collective_rpc`` ``reload_weights``,
-which needs ``VLLM_SERVER_DEV_MODE=1`` on the server). One job may mix SGLang and vLLM
+them (SGLang ``/update_weights_from_disk``; vLLM ``/collective_rpc`` ``load_weights_from_disk``
+of our worker extension, else vLLM's own ``reload_weights``; both need ``VLLM_SERVER_DEV_MODE=1``
+on the server). One job may mix SGLang and vLLM
 servers: :func:`remote_client` gives each endpoint a client of its own server's dialect.
 """
 
@@ -611,7 +612,7 @@ class VLLMRollout(HTTPRollout):
         return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
 
     def update_weights(self, path: str, version: int) -> None:
-        # vLLM has no disk-reload route; its dev-mode collective_rpc calls the workers' reload_weights.
+        # vLLM has no disk-reload route; its dev-mode collective_rpc calls a method of the workers.
         # A path it cannot load answers 500 and leaves the server broken: check it first.
         check_weights_dir(path)
 
@@ -619,14 +620,14 @@ class VLLMRollout(HTTPRollout):
             # /pause and /resume came after /collective_rpc: without them the reload runs unpaused.
             paused = self.optional(ep, "POST", "/pause?mode=keep", None)
             try:
-                self.call(
-                    ep,
-                    "POST",
-                    "/collective_rpc",
-                    {"method": "reload_weights", "kwargs": {"weights_path": path}},
-                )
-                # Our worker extension, when the server has it, remembers the version (restarts show).
-                self._try_rpc(ep, "set_weight_version", {"version": version})
+                # Our worker extension loads the directory as it loads a broadcast, exactly, and
+                # records the version (restarts show); vLLM's own reload_weights leaves a tied
+                # lm_head stale on CPU (see vllm_worker.with_tied).
+                if self._try_rpc(ep, "loaded_weight_version", {})[0]:
+                    body = {"method": "load_weights_from_disk", "kwargs": {"weights_path": path, "version": version}}
+                else:
+                    body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+                self.call(ep, "POST", "/collective_rpc", body)
                 # Cached prefixes hold keys and values of the old weights (the real server served them).
                 self.call(ep, "POST", "/reset_prefix_cache", None)
             finally:
