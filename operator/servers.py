@@ -63,12 +63,13 @@ VLLM_WORKER_EXTENSION = "treetrain.rl.vllm_worker.WeightSyncExtension"
 
 
 def vllm_weight_sync(method: str) -> tuple[list[str], list[dict[str, object]]]:
-    """(flags, env) a vLLM server needs for the trainer's weight sync: dev mode for ``/pause``,
-    ``/resume`` and ``/collective_rpc`` (404 without it), and for distributed sync our worker
-    extension, whose methods ``/collective_rpc`` calls."""
+    """(flags, env) a vLLM server needs for the trainer's weight sync (``method``: distributed
+    or disk): dev mode for ``/pause``, ``/resume`` and ``/collective_rpc`` (404 without it), and
+    our worker extension, whose methods ``/collective_rpc`` calls for either method: it joins
+    the broadcast, loads a directory exactly (vLLM's own reload leaves a tied ``lm_head``
+    stale) and reports the weight version it holds, which is how a restart is noticed."""
     env: list[dict[str, object]] = [{"name": "VLLM_SERVER_DEV_MODE", "value": "1"}]
-    flags = ["--worker-extension-cls", VLLM_WORKER_EXTENSION] if method == "distributed" else []
-    return flags, env
+    return ["--worker-extension-cls", VLLM_WORKER_EXTENSION], env
 
 
 def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int, leader_dns: str) -> list[str]:

@@ -284,7 +284,8 @@ def test_disk_weight_sync_mounts_the_checkpoint_claim_in_rollout_pods() -> None:
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "shared-rwx"}
     (server,) = pod["containers"]
     assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True} in server["volumeMounts"]
-    assert _env(server)["VLLM_SERVER_DEV_MODE"] == "1" and "--worker-extension-cls" not in server["command"]
+    assert _env(server)["VLLM_SERVER_DEV_MODE"] == "1"
+    assert server["command"][-2:] == ["--worker-extension-cls", "treetrain.rl.vllm_worker.WeightSyncExtension"]
     (trainer,) = objects[("Job", "job-trainer")]["spec"]["template"]["spec"]["containers"]
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in trainer["volumeMounts"]  # the same path
     assert "weight-sync" not in {port["name"] for port in trainer["ports"]}
