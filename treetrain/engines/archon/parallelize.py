@@ -95,6 +95,8 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
     which the all-gather before attention provides.
     """
     check_tp(model.args, mesh.size())
+    emb, head = model.tok_embeddings, model.output
+    tied = emb is not None and head is not None and head.weight is emb.weight
     top: dict[str, Any] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
         "norm": SequenceParallel(sequence_dim=0),
@@ -106,6 +108,11 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
         distribute_module(model.value_head, mesh)
         top["value_head"] = PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
     parallelize_module(model, mesh, {k: v for k, v in top.items() if getattr(model, k) is not None})
+    if tied and emb is not None and head is not None:
+        # Each style swapped in its own sharded copy, which cuts the tie: each copy would get
+        # only its own use's gradient and the two would drift apart. Both shard the vocabulary
+        # rows over the tensor ranks (Shard(0)), so one parameter serves both again.
+        head.weight = emb.weight
     for block in model.layers.values():
         plan: dict[str, Any] = {
             "attention_norm": SequenceParallel(sequence_dim=0),
@@ -122,6 +129,13 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
             "feed_forward.w3": ColwiseParallel(),
         }
+        if model.args.qk_norm:
+            # Qwen3's per-head q/k norms see only this rank's heads ([N, H/t, D]): replicated
+            # weights over head-sharded inputs, so their gradients are summed over the tensor
+            # ranks. As plain tensors each rank would step on its own heads' part and the
+            # copies would drift apart (a checkpoint keeps one, so a resume changed the model).
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         parallelize_module(block, mesh, plan)
 
 
