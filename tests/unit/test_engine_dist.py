@@ -238,24 +238,26 @@ def _check_2d() -> None:
     assert engine.step() > 0
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, errors: Any) -> None:
+def _fsdp_checks(world: int, tmp: str) -> None:
+    os.environ["TREETRAIN_ATTENTION"] = "bogus"  # the engine reads no environment
+    if world == 4:
+        _check_2d()
+    else:
+        for backend, role in (("fsdp:d2", "actor"), ("fsdp:d2", "critic"), ("fsdp:t2", "actor")):
+            _check(backend, role, Path(tmp))
+        _check_bfloat16()
+
+
+def _rank_main(rank: int, world: int, port: int, check: Any, args: tuple[Any, ...], errors: Any) -> None:
     faulthandler.enable()  # a rank that aborts in C++ (gloo) still shows where it was
     os.environ.update(
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TREETRAIN_ATTENTION="bogus",  # the engine reads no environment
+        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)
+    ok = False
     try:
-        if world == 4:
-            _check_2d()
-        else:
-            for backend, role in (("fsdp:d2", "actor"), ("fsdp:d2", "critic"), ("fsdp:t2", "actor")):
-                _check(backend, role, Path(tmp))
-            _check_bfloat16()
+        check(*args)
+        ok = True
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
@@ -264,14 +266,20 @@ def _worker(rank: int, world: int, port: int, tmp: str, errors: Any) -> None:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        if ok:
+            os._exit(0)  # torch 2.15's gloo sometimes aborts in teardown after a clean run
 
 
-def spawn_ranks(worker: Any, world: int, *args: Any) -> None:
-    """Run ``worker(rank, world, port, *args, errors)`` in ``world`` spawned processes (as torchrun
-    would); a failed rank fails the test with every rank's traceback that reached ``errors``."""
+def spawn_ranks(check: Any, world: int, *args: Any) -> None:
+    """Run ``check(*args)`` on every rank of ``world`` spawned processes (as torchrun would:
+    ``RANK``, ``WORLD_SIZE`` and a loopback rendezvous in the environment, one torch thread);
+    ``check`` is a module-level function. A failed rank fails the test with every rank's
+    traceback."""
     errors = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.start_processes(worker, args=(world, _free_port(), *args, errors), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _rank_main, args=(world, _free_port(), check, args, errors), nprocs=world, start_method="spawn"
+        )
     except Exception:
         found = []
         while not errors.empty():
@@ -280,7 +288,7 @@ def spawn_ranks(worker: Any, world: int, *args: Any) -> None:
 
 
 def _spawn(world: int, tmp: Path) -> None:
-    spawn_ranks(_worker, world, str(tmp))
+    spawn_ranks(_fsdp_checks, world, world, str(tmp))
 
 
 @pytest.mark.slow

@@ -18,9 +18,6 @@ that path at the CPU itself (``parallel.cpu_sequence_parallel``)."""
 
 from __future__ import annotations
 
-import faulthandler
-import os
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -145,40 +142,22 @@ def _check_critic_and_ref(family: str, backend: str, root: Path) -> None:
         ref.forward_backward(batch, loss)
 
 
-def _worker(rank: int, world: int, port: int, root: str, cases: list[tuple[str, str, Any]], errors: Any) -> None:
-    faulthandler.enable()
-    os.environ.update(
-        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
+def _checks(root: str, cases: list[tuple[str, str, Any]]) -> None:
     import megatron_cpu_shim  # the MoE router's CUDA-only calls (see the module)
 
     megatron_cpu_shim.apply()
-    ok = False
-    try:
-        for family, backend, settings in cases:
-            if settings == "critic":
-                _check_critic_and_ref(family, backend, Path(root))
-                continue
-            for recompute in settings:
-                _check(family, backend, recompute, Path(root))
-        ok = True
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if ok:
-            os._exit(0)  # torch 2.15's gloo sometimes aborts in teardown after a clean run
+    for family, backend, settings in cases:
+        if settings == "critic":
+            _check_critic_and_ref(family, backend, Path(root))
+            continue
+        for recompute in settings:
+            _check(family, backend, recompute, Path(root))
 
 
 def _spawn(cases: list[tuple[str, str, Any]], root: Path) -> None:
     for family in {c[0] for c in cases}:
         save_model(family, root)
-    spawn_ranks(_worker, 2, str(root), cases)
+    spawn_ranks(_checks, 2, str(root), cases)
 
 
 def _case_id(family: str, backend: str, recompute: tuple[bool, ...]) -> str:
