@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,6 +48,21 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--max-pods-per-rljob", type=int, default=Limits.max_pods, metavar="N",
                    help=f"refuse RLJobs that ask for more pods (default {Limits.max_pods})")  # fmt: skip
     o.add_argument(
+        "--allow-task-module",
+        action="append",
+        default=[],
+        type=_module_name,
+        metavar="MODULE",
+        help="run only built-in tasks and trainerConfig.task modules under MODULE (repeatable; default: any)",
+    )
+    o.add_argument(
+        "--allow-image-prefix",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="run only spec.images that start with PREFIX (repeatable; default: any)",
+    )
+    o.add_argument(
         "--bind",
         default=None,
         help="address for the metrics and liveness listeners (default: all interfaces inside a pod, "
@@ -54,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.set_defaults(func=_operator)
     return parser
+
+
+def _module_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a dotted module name (acme.tasks; no ':function')")
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,7 +175,12 @@ def _operator(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,
         bind=args.bind or default_bind(os.environ),
-        limits=Limits(max_gpus=args.max_gpus_per_rljob, max_pods=args.max_pods_per_rljob),
+        limits=Limits(
+            max_gpus=args.max_gpus_per_rljob,
+            max_pods=args.max_pods_per_rljob,
+            task_modules=tuple(args.allow_task_module),
+            image_prefixes=tuple(args.allow_image_prefix),
+        ),
     )
     return code
 

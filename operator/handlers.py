@@ -16,13 +16,15 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from rljob_operator.kube import Conflict, Kube, NotOurs
+from rljob_operator.kube import Conflict, Kube, NotOurs, stamped, unchanged
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY, Limits
@@ -31,7 +33,15 @@ from rljob_operator.reconcile import Decision, Observed, decide, set_condition
 log = logging.getLogger("rljob_operator")
 
 Key = tuple[str, str]  # (namespace, name)
-RESYNC_SECONDS = 30.0
+# Only a safety net: every RLJob and every kind of child is watched, a pass that waits for time
+# (backoff, TTL) is requeued with its delay, and kopf lists everything again after a watch
+# reconnects. Each idle pass costs 6 GETs per RLJob, so the interval sets the idle load.
+RESYNC_SECONDS = 300.0
+# RLJobs reconciled at once; the lists of a pass's five kinds of children, its applies and its
+# events go out in parallel. More workers only added contention for the API server's CPU: with
+# 8, 200 RLJobs took 34 s to run and p99 reconcile was 1.7 s on 2 cores; with 4, 24 s and 0.5 s.
+WORKERS = 4
+CHILD_KINDS = ("Job", "StatefulSet", "Pod", "ConfigMap", "Service")
 REFUSAL_BACKOFF_SECONDS = 5.0  # a refused child is tried again after 5 s, 10 s, 20 s, ... 5 min
 MAX_REFUSAL_BACKOFF_SECONDS = 300.0
 
@@ -126,6 +136,14 @@ class Controller:
         # silent, so liveness fails and the process stops (the Deployment restarts it).
         self.fatal: str | None = None
         self.on_fatal: Callable[[], None] = lambda: None
+        # Threads for the passes, and for the requests each pass sends in parallel.
+        self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
+        self._io = ThreadPoolExecutor(WORKERS * len(CHILD_KINDS), thread_name_prefix="api")
+
+    def close(self) -> None:
+        """Let the threads go once the operator stops (a Controller serves one operator run)."""
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
 
     def watch(self, task: asyncio.Task[None]) -> None:
         """Make the death of a background task fatal and visible instead of silent."""
@@ -143,7 +161,7 @@ class Controller:
     async def worker(self, key: Key) -> None:
         started = time.monotonic()
         try:
-            requeue = await asyncio.to_thread(self.reconcile_one, *key)
+            requeue = await asyncio.get_running_loop().run_in_executor(self._workers, self.reconcile_one, *key)
         except Conflict:
             requeue = 0.5  # someone changed the RLJob or a child meanwhile: read again
         except ApiException as exc:
@@ -174,11 +192,20 @@ class Controller:
             self.metrics.observe(namespace, name, None, {})
             return None
         self.known.add((namespace, name))
-        observed = Observed(
-            jobs=self.kube.children("Job", namespace, name),
-            statefulsets=self.kube.children("StatefulSet", namespace, name),
-            pods=self.kube.children("Pod", namespace, name),
-        )
+        if not rljob.get("status"):
+            # Never reconciled: the status is written before any child is made, so there are
+            # none to list (5 requests saved per new RLJob; a wrong guess only costs idempotent
+            # applies, and the status write queues a pass that lists them).
+            children: dict[str, list[dict[str, Any]]] = {kind: [] for kind in CHILD_KINDS}
+        else:
+            lists = [self._io.submit(self.kube.children, kind, namespace, name) for kind in CHILD_KINDS]
+            children = dict(zip(CHILD_KINDS, (f.result() for f in lists), strict=True))
+        observed = Observed(jobs=children["Job"], statefulsets=children["StatefulSet"], pods=children["Pod"])
+        # The applied children as they are, to skip applying those that already match.
+        live = {
+            (o["kind"], o["metadata"]["name"]): o
+            for o in (*children["StatefulSet"], *children["ConfigMap"], *children["Service"])
+        }
         decision = decide(rljob, observed, datetime.now(UTC), self.limits)
         if decision.delete_self:
             self.kube.delete("RLJob", namespace, name)
@@ -192,16 +219,18 @@ class Controller:
         if refused_before is not None:
             # Optimistic: cleared now, set again below if the API server still refuses a child.
             _set_refusal(decision.status, None)
-        if decision.status != old:
+        if _normalised(decision.status) != _normalised(old):
             self.kube.patch_status(
                 namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"]
             )
-            for kind, reason, message in decision.events:
-                self._event(rljob, kind, reason, message)
+            # A new RLJob posts 3 or 4 events at once: in parallel, one round trip.
+            posted = [self._io.submit(self._event, rljob, *event) for event in decision.events]
+            for done in posted:
+                done.result()
             if decision.status.get("restarts", 0) > old.get("restarts", 0):
                 self.metrics.restarts.labels(namespace=namespace).inc()
         try:
-            self._carry_out(rljob, decision)
+            self._carry_out(rljob, decision, live)
         except RefusedChild as refused:
             return self._refused(rljob, decision.status, refused)
         self.refusals.pop(key, None)
@@ -210,24 +239,37 @@ class Controller:
         self.metrics.observe(namespace, name, decision.status.get("phase"), gpus if active else {})
         return decision.requeue_after
 
-    def _carry_out(self, rljob: dict[str, Any], decision: Decision) -> None:
+    def _carry_out(
+        self, rljob: dict[str, Any], decision: Decision, live: Mapping[tuple[str, str], dict[str, Any]]
+    ) -> None:
         namespace = rljob["metadata"]["namespace"]
         for kind, child in decision.delete:
             self.kube.delete(kind, namespace, child)
-        for write, obj in [
-            *((self.kube.apply, o) for o in decision.apply),
-            *((self.kube.create_if_missing, o) for o in decision.create_only),
-        ]:
-            try:
-                write(obj)
-            except NotOurs as taken:
-                raise RefusedChild(taken.kind, taken.name, 0, str(taken)) from None
-            except ApiException as exc:
-                # 4xx on an object we render is the input's fault (or ours), never transient:
-                # retrying every 5 s would loop for ever and say nothing.
-                if 400 <= exc.status < 500 and exc.status not in (408, 429) and not _terminating(exc):
-                    raise RefusedChild(obj["kind"], obj["metadata"]["name"], exc.status, _api_message(exc)) from None
-                raise
+        # A child that already is what the apply would make it costs no request (a steady
+        # state sent one PATCH per child per pass before).
+        applies = [stamped(o) for o in decision.apply]
+        applies = [o for o in applies if not unchanged(o, live.get((o["kind"], o["metadata"]["name"])))]
+        # The applies are independent of each other: in parallel (one round trip, not four). The
+        # Jobs come after them, so their pods find the ConfigMap and Services in place.
+        pending = [self._io.submit(self._write, self.kube.apply, o) for o in applies]
+        futures.wait(pending)
+        for done in pending:
+            done.result()  # the first refusal (or error), after every apply has ended
+        for obj in decision.create_only:
+            self._write(self.kube.create_if_missing, obj)
+
+    @staticmethod
+    def _write(write: Callable[[dict[str, Any]], object], obj: dict[str, Any]) -> None:
+        try:
+            write(obj)
+        except NotOurs as taken:
+            raise RefusedChild(taken.kind, taken.name, 0, str(taken)) from None
+        except ApiException as exc:
+            # 4xx on an object we render is the input's fault (or ours), never transient:
+            # retrying every 5 s would loop for ever and say nothing.
+            if 400 <= exc.status < 500 and exc.status not in (408, 429) and not _terminating(exc):
+                raise RefusedChild(obj["kind"], obj["metadata"]["name"], exc.status, _api_message(exc)) from None
+            raise
 
     def _refused(self, rljob: dict[str, Any], status: dict[str, Any], refused: RefusedChild) -> float:
         """Say on the RLJob what the API server refused (condition, one event per new message)
@@ -273,6 +315,16 @@ def _terminating(exc: ApiException) -> bool:
     return exc.status == 403 and "NamespaceTerminating" in str(exc.body)
 
 
+def _normalised(value: Any) -> Any:
+    """A status as the API server stores it: null members dropped (a merge patch removes them),
+    so a status equal up to nulls is not patched again on every pass."""
+    if isinstance(value, Mapping):
+        return {k: _normalised(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_normalised(v) for v in value]
+    return value
+
+
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A JSON merge patch that turns ``old`` into ``new`` (missing keys become null)."""
     patch: dict[str, Any] = dict(new)
@@ -282,6 +334,21 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict) and isinstance(new[key], dict):
             patch[key] = merge_patch(value, new[key])
     return patch
+
+
+def tune_watching(settings: kopf.OperatorSettings) -> None:
+    """Watch settings that bring the operator back quickly after the API server went away."""
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    # kopf's default retry delays (1, 1, 2, 3, 5, 8, 13, 21 s) left a new RLJob unseen for up to
+    # a minute after an API server restart (57 s measured): retry every 2 s at most instead,
+    # for about as long in all (62 s) before kopf gives up on the attempt and lists again.
+    settings.networking.error_backoffs = [0.5, 1.0, 1.0, *[2.0] * 30]
+    # A dead endpoint is known in seconds on a healthy network (the default waits for the
+    # 5-minute request timeout); and a watch that ended is opened again at once.
+    settings.networking.connect_timeout = 5.0
+    settings.watching.connect_timeout = 5.0
+    settings.watching.reconnect_backoff = 0.5
 
 
 def build_registry(controller: Controller) -> kopf.OperatorRegistry:
@@ -295,9 +362,8 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         settings.posting.enabled = False  # events are posted by the controller, per transition
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-        memo["queue_task"] = asyncio.create_task(controller.queue.run(controller.worker), name="work queue")
+        tune_watching(settings)
+        memo["queue_task"] = asyncio.create_task(controller.queue.run(controller.worker, WORKERS), name="work queue")
         memo["resync_task"] = asyncio.create_task(_resync(controller), name="resync")
         controller.watch(memo["queue_task"])
         controller.watch(memo["resync_task"])
@@ -315,6 +381,7 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
             task = memo.get(name)
             if task is not None:
                 task.cancel()
+        controller.close()
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:

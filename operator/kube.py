@@ -6,13 +6,15 @@ manager, create-if-missing, delete, list children by label, status patches and e
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes
-from kubernetes.client import ApiClient
+from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
@@ -22,6 +24,15 @@ FIELD_MANAGER = MANAGED_BY
 # (connect, read) seconds: a frozen API server must not pin the reconcile workers for ever;
 # a timed-out call is retried by the work queue like any other failed reconcile.
 REQUEST_TIMEOUT = (5.0, 30.0)
+# On each applied child: a hash of what the operator applied. A child whose live annotation
+# matches what this pass would apply is left alone: a steady state sends no PATCH per child.
+APPLIED_HASH = "treetrain.dev/applied-hash"
+# Objects whose ownership was checked, at most this many remembered (then it starts over:
+# forgetting costs one GET per child, remembering for ever would grow with every RLJob seen).
+MAX_REMEMBERED_OWNERS = 8192
+# Connections kept to the API server for the reconcile workers and their parallel requests
+# (the client's default, 5 per CPU, made them queue for a connection on a small node).
+CONNECTIONS = 64
 
 # kind -> (API prefix, plural)
 _PATHS = {
@@ -51,6 +62,27 @@ class NotOurs(Exception):
         )
 
 
+def stamped(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` with :data:`APPLIED_HASH` set to the hash of its own content (the annotation left out)."""
+    meta = dict(obj["metadata"])
+    notes = {k: v for k, v in (meta.get("annotations") or {}).items() if k != APPLIED_HASH}
+    meta["annotations"] = notes
+    body = {**obj, "metadata": meta}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
+    return {**obj, "metadata": {**meta, "annotations": {**notes, APPLIED_HASH: digest}}}
+
+
+def unchanged(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """Whether the live child already is what applying ``desired`` (a :func:`stamped` object) would
+    make it. A hand edit that keeps the annotation is not seen here: it is reverted when the RLJob
+    (so the hash) next changes, or by deleting the child, which the operator then recreates."""
+    if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    want = desired["metadata"]["annotations"][APPLIED_HASH]
+    have = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH)
+    return bool(have == want and _owner_uid(live) == _owner_uid(desired))
+
+
 def _owner_uid(obj: dict[str, Any]) -> str | None:
     """The uid of the controlling owner (the RLJob, for our children)."""
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
@@ -72,23 +104,28 @@ class Credentials:
 def load_client(kubeconfig: str | None = None) -> tuple[ApiClient, bool]:
     """In a pod: the ServiceAccount; else ``kubeconfig`` or $KUBECONFIG / ~/.kube/config.
     Returns the client and whether it is the in-cluster one."""
+    cfg = Configuration()
+    cfg.connection_pool_maxsize = CONNECTIONS
     if kubeconfig is None:
         try:
-            kubernetes.config.load_incluster_config()  # type: ignore[no-untyped-call]
-            return ApiClient(), True
+            kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+            return ApiClient(cfg), True
         except kubernetes.config.ConfigException:
             pass
-    client: ApiClient = kubernetes.config.new_client_from_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
-    return client, False
+    kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
+    return ApiClient(cfg), False
+
+
+# (verb, resource, HTTP status or 0 when no answer came): one call per request sent
+OnRequest = Callable[[str, str, int], None]
 
 
 class Kube:
-    def __init__(self, client: ApiClient, *, in_cluster: bool = False) -> None:
+    def __init__(self, client: ApiClient, *, in_cluster: bool = False, on_request: OnRequest | None = None) -> None:
         self.client = client
-        self.in_cluster = in_cluster
-        self._ours: set[tuple[str, str, str, str | None]] = (
-            set()
-        )  # (kind, ns, name, owner uid) checked  # kopf then reads the (rotating) ServiceAccount token itself
+        self.in_cluster = in_cluster  # in a pod, kopf reads the (rotating) ServiceAccount token itself
+        self.on_request: OnRequest = on_request or (lambda verb, resource, code: None)
+        self._ours: set[tuple[str, str, str, str | None]] = set()  # (kind, ns, name, owner uid) checked
 
     def credentials(self) -> Credentials:
         c = self.client.configuration
@@ -108,6 +145,8 @@ class Kube:
 
     def _call(
         self,
+        verb: str,
+        kind: str,
         method: str,
         path: str,
         *,
@@ -123,8 +162,13 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
-        response = self.client.call_api(*params, _request_timeout=REQUEST_TIMEOUT)
-        response.read()  # type: ignore[no-untyped-call]
+        try:
+            response = self.client.call_api(*params, _request_timeout=REQUEST_TIMEOUT)
+            response.read()  # type: ignore[no-untyped-call]
+        except Exception:
+            self.on_request(verb, _PATHS[kind][1], 0)
+            raise
+        self.on_request(verb, _PATHS[kind][1], response.status)
         if not 200 <= response.status < 300:
             if response.status == 409:
                 raise Conflict(f"{method} {path}: {response.data!r}")
@@ -146,7 +190,7 @@ class Kube:
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            obj: dict[str, Any] = self._call("GET", self._path(kind, namespace, name))
+            obj: dict[str, Any] = self._call("get", kind, "GET", self._path(kind, namespace, name))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -155,7 +199,7 @@ class Kube:
 
     def children(self, kind: str, namespace: str, rljob: str) -> list[dict[str, Any]]:
         selector = f"{LABEL_RLJOB}={rljob},app.kubernetes.io/managed-by={MANAGED_BY}"
-        data = self._call("GET", self._path(kind, namespace), query=[("labelSelector", selector)])
+        data = self._call("list", kind, "GET", self._path(kind, namespace), query=[("labelSelector", selector)])
         items: list[dict[str, Any]] = data.get("items") or []
         for item in items:
             item.setdefault("kind", kind)  # list responses leave it out
@@ -176,11 +220,15 @@ class Kube:
             current = self.get(obj["kind"], meta["namespace"], meta["name"])
             if current is not None and _owner_uid(current) != key[3]:
                 raise NotOurs(obj["kind"], meta["name"], _owner_uid(current))
+            if len(self._ours) >= MAX_REMEMBERED_OWNERS:
+                self._ours.clear()
             self._ours.add(key)
         # Serialised here as UTF-8 JSON (valid YAML): the client's own json.dumps escapes non-ASCII
         # as \uXXXX surrogate pairs, which the API server's YAML reader refuses (an emoji in
         # model.path answered 400 on every pass).
         result: dict[str, Any] = self._call(
+            "apply",
+            obj["kind"],
             "PATCH",
             self._path(obj["kind"], meta["namespace"], meta["name"]),
             body=json.dumps(obj, ensure_ascii=False).encode(),
@@ -193,9 +241,8 @@ class Kube:
         """Create ``obj``; an existing object of the same name is adopted as is. True if created."""
         meta = obj["metadata"]
         try:
-            self._call(
-                "POST", self._path(obj["kind"], meta["namespace"]), body=obj, query=[("fieldManager", FIELD_MANAGER)]
-            )
+            self._call("create", obj["kind"], "POST", self._path(obj["kind"], meta["namespace"]), body=obj,
+                       query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
         except Conflict:
             return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
         return True
@@ -204,7 +251,7 @@ class Kube:
         # Background propagation: the garbage collector removes the pods.
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         try:
-            self._call("DELETE", self._path(kind, namespace, name), body=body)
+            self._call("delete", kind, "DELETE", self._path(kind, namespace, name), body=body)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -213,6 +260,8 @@ class Kube:
         """Replace the status; ``resource_version`` makes a concurrent change a Conflict."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
         self._call(
+            "patch_status",
+            KIND,
             "PATCH",
             self._path(KIND, namespace, name, "status"),
             body=json.loads(json.dumps(body)),
@@ -241,4 +290,4 @@ class Kube:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._call("POST", self._path("Event", meta["namespace"]), body=body)
+        self._call("create", "Event", "POST", self._path("Event", meta["namespace"]), body=body)

@@ -14,6 +14,8 @@ Children of RLJob ``NAME`` (all in its namespace):
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +39,11 @@ CHECKPOINT_DIR = "/checkpoints"
 MODEL_DIR = "/models"
 METRICS_PORT = 9400
 ANNOTATION_WEIGHT_SYNC = f"{GROUP}/weight-sync"
+# On each trainer Job: the allocation of the components in its pods, and a hash of its pod
+# template and trainer config. The Job's template is immutable, so the status reports these
+# (what runs) and shows a spec change that differs from them as pending.
+ANNOTATION_ALLOCATION = f"{GROUP}/allocation"
+ANNOTATION_TEMPLATE_HASH = f"{GROUP}/template-hash"
 EPHEMERAL_CHECKPOINTS = (
     "no spec.checkpoint.volume: checkpoints live in the trainer pod's emptyDir and die with it, so a restarted "
     "trainer gang starts from step 0; set spec.checkpoint.volume.claimName to keep them"
@@ -153,11 +160,15 @@ class Plan:
 
 @dataclass(frozen=True)
 class Limits:
-    """Ceilings per RLJob that the cluster admin sets (chart values ``limits.*``): one RLJob that
-    asks for a million servers must not take the operator, or the controller-manager, down."""
+    """What the cluster admin allows per RLJob. Ceilings (chart values ``limits.*``): one RLJob
+    that asks for a million servers must not take the operator, or the controller-manager, down.
+    Allow-lists (``admission.*``; empty allows any): whoever creates an RLJob picks the images
+    its pods run and the task module its trainer imports, so a shared cluster can pin both."""
 
     max_gpus: int = 4096
     max_pods: int = 1024
+    task_modules: tuple[str, ...] = ()  # a package allows its submodules too; builtin: tasks always pass
+    image_prefixes: tuple[str, ...] = ()
 
 
 def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
@@ -200,6 +211,7 @@ def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits(
     errors += [e for e in config_errors if e.path not in seen]
     if spec is not None:
         errors += _check_weight_sync(spec)
+        errors += check_admission(spec, config, limits)
     if errors or spec is None:
         raise PlanError(errors)
     result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, restart=restart)
@@ -298,6 +310,41 @@ def _check_weight_sync(spec: RLJobSpec) -> list[FieldError]:
         taken = "spec.masterPort" if ws.port == spec.master_port else "the trainer's metrics port"
         return [FieldError("spec.weightSync.port", f"{ws.port} is taken by {taken}; pick another port")]
     return []
+
+
+def task_module_allowed(task: str, allowed: tuple[str, ...]) -> bool:
+    """``builtin:NAME`` always; ``pkg.mod:fn`` when ``pkg.mod`` or a package above it is listed;
+    anything when nothing is listed."""
+    if not allowed or task.startswith("builtin:"):
+        return True
+    module = task.partition(":")[0]
+    return any(module == entry or module.startswith(entry + ".") for entry in allowed)
+
+
+def check_admission(spec: RLJobSpec, config: TrainConfig | None, limits: Limits) -> list[FieldError]:
+    """The operator's allow-lists (``--allow-task-module``, ``--allow-image-prefix``)."""
+    errors: list[FieldError] = []
+    if config is not None and not task_module_allowed(config.trainer.task, limits.task_modules):
+        errors.append(
+            FieldError(
+                "spec.trainerConfig.task",
+                f"{config.trainer.task!r} is not allowed by this operator, which runs only built-in tasks and task "
+                f"modules under {', '.join(limits.task_modules)}; use one of those, or ask the cluster admin to add "
+                "the module to the chart's admission.allowedTaskModules",
+            )
+        )
+    if limits.image_prefixes:
+        for key, image in (("trainer", spec.images.trainer), ("rollout", spec.images.rollout)):
+            if not image.startswith(limits.image_prefixes):
+                errors.append(
+                    FieldError(
+                        f"spec.images.{key}",
+                        f"{image!r} is not allowed by this operator, which runs only images starting with "
+                        f"{' or '.join(limits.image_prefixes)}; use one of those, or ask the cluster admin to add "
+                        "a prefix to the chart's admission.allowedImagePrefixes",
+                    )
+                )
+    return errors
 
 
 def _config_problem(problem: tuple[str, str]) -> FieldError:
@@ -815,7 +862,7 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
     pod_meta: dict[str, Any] = {"labels": {**labels(plan, comp.role), **gang_labels, LABEL_RESTART: str(restart)}}
     if gang_annotations:
         pod_meta["annotations"] = gang_annotations
-    indexed_job = {
+    indexed_job: dict[str, Any] = {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": _meta(plan, job, comp.role, {LABEL_RESTART: str(restart)}),
@@ -839,8 +886,22 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
             },
         },
     }
+    indexed_job["metadata"]["annotations"] = _running_as(plan, comp, indexed_job["spec"]["template"])
     sync_ports = [{**p, "targetPort": p["port"]} for p in _sync_ports(plan, "port")]
     return [_headless_service(plan, service, comp.role, selector, spec.master_port, *sync_ports), indexed_job]
+
+
+def _running_as(plan: Plan, comp: Component, template: dict[str, Any]) -> dict[str, str]:
+    """The Job's annotations that say what its pods run: the allocation of every component in
+    them, and a hash of the pod template and the trainer config they read at start."""
+    inside = {n: c.status().model_dump(by_alias=True, exclude_none=True) for n, c in plan.components.items()
+              if n == comp.name or c.colocated_with == comp.name}  # fmt: skip
+    assert plan.config is not None
+    content = json.dumps({"template": template, "config": dump_yaml(plan.config)}, sort_keys=True)
+    return {
+        ANNOTATION_ALLOCATION: json.dumps(inside, sort_keys=True, separators=(",", ":")),
+        ANNOTATION_TEMPLATE_HASH: hashlib.sha256(content.encode()).hexdigest()[:16],
+    }
 
 
 def _sync_ports(plan: Plan, key: str) -> list[dict[str, Any]]:

@@ -10,16 +10,25 @@ Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
 restart count in the status goes up first, then the old Job is deleted and, after an
 exponential backoff, the next one is created; the trainer resumes from the latest
 checkpoint. After ``maxRestarts`` the RLJob fails.
+
+Spec changes while the trainer runs: rollout servers, Services and the ConfigMap follow
+the spec at once, a removed engine's servers are deleted. A Job's pod template is
+immutable and a running trainer read its config at start, so a change to the trainer
+(``fsdp:d8`` -> ``fsdp:d16``, its image, its config) waits for the next gang: the status
+keeps reporting the running Job's allocation and ``SpecChangePending`` says what waits.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rljob_operator.models import MAX_TTL_SECONDS, RLJobStatus
+from rljob_operator.models import MAX_TTL_SECONDS, ComponentStatus, RLJobStatus
 from rljob_operator.plan import (
+    ANNOTATION_ALLOCATION,
+    ANNOTATION_TEMPLATE_HASH,
     LABEL_COMPONENT,
     LABEL_RESTART,
     Component,
@@ -147,12 +156,17 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
         decision.delete = [(o["kind"], o["metadata"]["name"]) for o in (*observed.jobs, *observed.statefulsets)]
         status.update(phase="Suspended", message="suspended: pods removed, the RLJob is kept")
         cond.set("Suspended", True, "Suspended", "spec.suspend is true")
+        cond.set("SpecChangePending", False, "Suspended", "resuming starts the trainer from the current spec")
         cond.set("Running", False, "Suspended", "suspended")
         return _with_events(decision, old)
     cond.set("Suspended", False, "NotSuspended", "")
 
     trainers = {o["metadata"]["name"]: o for o in observed.jobs if _component(o) in TRAINER_ROLES}
     current = {c.role: trainer_job_name(desired, c.role, restarts) for c in _trainer_components(desired)}
+    # The status describes what exists: a running trainer Job keeps its allocation until the next gang.
+    status["allocation"].update(_running_allocation(trainers, current))
+    status["gpus"] = sum(a["gpus"] for a in status["allocation"].values())
+    pending = _pending_changes(desired, trainers)
     stale = [name for name in trainers if name not in current.values()]
     decision.delete += [("Job", name) for name in stale]
     # A rollout engine removed from the spec: its servers go (their GPUs are no longer counted).
@@ -166,6 +180,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
         status.update(phase="Succeeded", completionTime=timestamp(now), message="trainer completed")
         cond.set("Succeeded", True, "TrainerCompleted", "the trainer Job completed")
         cond.set("Running", False, "Completed", "finished")
+        cond.set("SpecChangePending", False, "Finished", "")
         _finish(decision, observed, now, spec)
         return _with_events(decision, old)
     if failure:
@@ -178,6 +193,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             )
             cond.set("Failed", True, "TrainerFailed", status["message"])
             cond.set("Running", False, "Failed", "failed")
+            cond.set("SpecChangePending", False, "Finished", "")
             _finish(decision, observed, now, spec)
             return _with_events(decision, old)
         status.update(restarts=restarts + 1, lastRestartTime=timestamp(now), phase="Pending")
@@ -186,6 +202,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             f"restarting the trainer gang ({restarts + 1}/{max_restarts}), {_resume(desired)}: {failure}"
         )
         cond.set("Restarting", True, "TrainerFailed", status["message"])
+        cond.set("SpecChangePending", False, "Restarting", "the next trainer gang starts from the current spec")
         decision.delete += [("Job", name) for name in trainers if ("Job", name) not in decision.delete]
         decision.requeue_after = backoff_seconds(restarts + 1, desired.spec.restart_backoff_seconds)
         return _with_events(decision, old)
@@ -201,6 +218,10 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             decision.create_only.append(obj)
         else:
             decision.apply.append(obj)
+    if pending:
+        cond.set("SpecChangePending", True, "TrainerRunning", _pending_message(pending))
+    else:
+        cond.set("SpecChangePending", False, "UpToDate", "")
     if wait > 0:
         decision.requeue_after = wait
         status["message"] = f"restarting the trainer gang in {wait:.0f} s (backoff), {_resume(desired)}"
@@ -304,11 +325,68 @@ def _finish(decision: Decision, observed: Observed, now: datetime, spec: dict[st
         decision.requeue_after = left
 
 
+def _running_allocation(trainers: dict[str, dict[str, Any]], current: dict[str, str]) -> dict[str, Any]:
+    """The allocation of the components in the current trainer Jobs, as each Job was created
+    (empty for Jobs without the annotation: created by an older operator)."""
+    found: dict[str, Any] = {}
+    for name in current.values():
+        found.update(_allocation_note(trainers.get(name)))
+    return found
+
+
+def _allocation_note(job: dict[str, Any] | None) -> dict[str, Any]:
+    """A Job's allocation annotation; one that is missing or was edited into nonsense counts as absent."""
+    try:
+        note = json.loads(_annotations(job).get(ANNOTATION_ALLOCATION) or "{}")
+        return {c: ComponentStatus.model_validate(a).model_dump(by_alias=True, exclude_none=True)
+                for c, a in note.items()}  # fmt: skip
+    except (ValueError, AttributeError):  # pydantic's ValidationError is a ValueError
+        return {}
+
+
+def _pending_changes(desired: Plan, trainers: dict[str, dict[str, Any]]) -> list[str]:
+    """What the spec asks of the running trainer Jobs that their pods do not have."""
+    changes: list[str] = []
+    for obj in desired.objects:
+        running = trainers.get(obj["metadata"]["name"]) if obj["kind"] == "Job" else None
+        have = _annotations(running)
+        want = _annotations(obj)
+        if ANNOTATION_TEMPLATE_HASH not in have or have[ANNOTATION_TEMPLATE_HASH] == want[ANNOTATION_TEMPLATE_HASH]:
+            continue
+        old, new = _allocation_note(running), _allocation_note(obj)
+        moved = [
+            f"{c} {_backend(old.get(c))} -> {_backend(new.get(c))} ({_gpus(old.get(c))} -> {_gpus(new.get(c))} GPUs)"
+            for c in sorted(old.keys() | new.keys())
+            if (old.get(c) or {}).get("backend") != (new.get(c) or {}).get("backend")
+        ]
+        changes += moved or [f"Job {obj['metadata']['name']}: its pod template or trainer config"]
+    return changes
+
+
+def _pending_message(changes: list[str]) -> str:
+    return (
+        f"not applied while the trainer runs: {'; '.join(changes)}. It applies when the trainer gang next starts "
+        "(after a restart, or now: suspend and resume the RLJob); until then the status shows what runs"
+    )
+
+
+def _backend(allocation: dict[str, Any] | None) -> str:
+    return str(allocation["backend"]) if allocation else "(none)"
+
+
+def _gpus(allocation: dict[str, Any] | None) -> int:
+    return int(allocation["gpus"]) if allocation else 0
+
+
+def _annotations(obj: dict[str, Any] | None) -> dict[str, str]:
+    return dict(((obj or {}).get("metadata") or {}).get("annotations") or {})
+
+
 def _observe_pods(
     desired: Plan, observed: Observed, status: dict[str, Any], cond: _Conditions, restarts: int, now: datetime
 ) -> None:
     current = [p for p in observed.pods if _is_current(p, restarts)]
-    expected = desired.total_pods
+    expected = sum(int(a.get("pods", 0)) for a in status["allocation"].values())
     unschedulable = [p for p in current if _unschedulable(p)]
     running = [p for p in current if (p.get("status") or {}).get("phase") == "Running"]
     if unschedulable:
@@ -317,7 +395,7 @@ def _observe_pods(
         message = (
             f"{len(unschedulable)} of {expected} pods cannot be scheduled; each asks for "
             f"{' or '.join(str(a) for a in asks)} {desired.spec.gpu_resource_name} "
-            f"({desired.total_gpus} GPUs in total): {first}"
+            f"({status['gpus']} GPUs in total): {first}"
         )
         cond.set("Scheduled", False, "Unschedulable", message)
         status["message"] = message

@@ -17,7 +17,8 @@ from rljob_operator.plan import Limits
 
 def make_controller(kubeconfig: str | None = None, limits: Limits | None = None) -> Controller:
     client, in_cluster = load_client(kubeconfig)
-    return Controller(Kube(client, in_cluster=in_cluster), Metrics(), limits)
+    metrics = Metrics()
+    return Controller(Kube(client, in_cluster=in_cluster, on_request=metrics.api_request), metrics, limits)
 
 
 async def serve(

@@ -748,6 +748,46 @@ def stop(names: list[str], procs: dict[str, dict[str, Any]], grace: float = 10) 
                 os.kill(int(procs[name]["pid"]), signal.SIGKILL)
 
 
+# ---------------------------------------------------------------------------------------------
+# The apiserver alone (fault tests: the control plane's front door goes away and comes back)
+
+
+def apiserver(d: Path, action: str, timeout: float) -> None:
+    """Stop only the kube-apiserver, or start it again with its recorded command line (same
+    port, certificates and etcd), waiting for /readyz. Everything else keeps running."""
+    state_file = d / "state.json"
+    if not state_file.exists():
+        raise ClusterError(f"no cluster state in {d}")
+    state = json.loads(state_file.read_text())
+    procs: dict[str, dict[str, Any]] = state["processes"]
+    name = "kube-apiserver"
+    running = name in procs and alive(procs[name])
+    if action == "stop":
+        if running:
+            # It drains for longer than a fault test cares to wait: SIGKILL after 3 s.
+            stop([name], procs, grace=3)
+        say(f"{name} stopped" if running else f"{name} was not running")
+        return
+    if running:
+        say(f"{name} is already running")
+        return
+    cmd = shlex.split((d / "logs" / f"{name}.cmd").read_text())
+    pid = spawn_detached(cmd, d / "logs" / f"{name}.log", cwd=d)
+    procs[name] = {"pid": pid, "start_time": proc_start_time(pid), "cmd": cmd[0]}
+    tmp = d / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.replace(state_file)
+    ctx = Api(state["server"], d / "pki").ctx
+    t0 = time.monotonic()
+    while not https_ok(f"{state['server']}/readyz", ctx):
+        if not alive(procs[name]):
+            raise ClusterError(f"{name} exited on restart:\n" + log_tail(d / "logs" / f"{name}.log"))
+        if time.monotonic() - t0 > timeout:
+            raise ClusterError(f"{name} not ready {timeout:g}s after restart:\n" + log_tail(d / "logs" / f"{name}.log"))
+        time.sleep(0.2)
+    say(f"{name} started again: ready after {time.monotonic() - t0:.1f}s")
+
+
 def start_watchdog(d: Path, owner_pid: int) -> None:
     """A detached process that runs `down --keep-logs` when `owner_pid` exits, so that a killed
     pytest leaves nothing running."""
@@ -834,6 +874,11 @@ def main(argv: list[str] | None = None) -> int:
     p_down.add_argument("--dir", default=default_dir, help=dir_help)
     p_down.add_argument("--keep-logs", action="store_true", help="keep <dir>/logs")
 
+    p_api = sub.add_parser("apiserver", help="stop, or start again, only the kube-apiserver (fault tests)")
+    p_api.add_argument("action", choices=("stop", "start"))
+    p_api.add_argument("--dir", default=default_dir, help=dir_help)
+    p_api.add_argument("--timeout", type=float, default=120, help="seconds to wait for /readyz after start")
+
     p_watch = sub.add_parser("watch", help=argparse.SUPPRESS)
     p_watch.add_argument("--dir", required=True)
     p_watch.add_argument("--pid", type=int, required=True)
@@ -870,6 +915,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write((c.dir / "env.sh").read_text())
         elif args.command == "down":
             down(Path(args.dir).resolve(), keep_logs=args.keep_logs)
+        elif args.command == "apiserver":
+            apiserver(Path(args.dir).resolve(), args.action, args.timeout)
         else:
             watch(Path(args.dir).resolve(), args.pid)
     except ClusterError as e:

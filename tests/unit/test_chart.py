@@ -195,6 +195,16 @@ ALL_ON: dict[str, Any] = {
 }
 
 
+def test_admission_allow_lists_become_operator_flags(render: Render) -> None:
+    (container,) = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in container["args"] if a.startswith("--allow-")]  # default: anything
+    admission = {"allowedTaskModules": ["acme.tasks", "rl"], "allowedImagePrefixes": ["registry.acme/"]}
+    (container,) = one(render(admission=admission), "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [a for a in container["args"] if a.startswith("--allow-")] == [
+        "--allow-task-module=acme.tasks", "--allow-task-module=rl", "--allow-image-prefix=registry.acme/",
+    ]  # fmt: skip
+
+
 def test_monitoring_toggles_render_everything(render: Render) -> None:
     docs = render(**ALL_ON)
     assert kinds(docs).count("ConfigMap") == 2
@@ -308,6 +318,7 @@ BAD_VALUES = [
     ({"serviceMonitor": {"interval": "30 seconds"}}, "at '/serviceMonitor/interval': '30 seconds' does not match"),
     ({"watchNamespace": ["a"]}, "additional properties 'watchNamespace' not allowed"),
     ({"resources": {"limits": {"memory": "lots"}}}, "at '/resources/limits/memory'"),
+    ({"admission": {"allowedTaskModules": ["os:system"]}}, "at '/admission/allowedTaskModules/0': 'os:system'"),
 ]
 
 
