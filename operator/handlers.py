@@ -200,7 +200,12 @@ class Controller:
         else:
             lists = [self._io.submit(self.kube.children, kind, namespace, name) for kind in CHILD_KINDS]
             children = dict(zip(CHILD_KINDS, (f.result() for f in lists), strict=True))
-        observed = Observed(jobs=children["Job"], statefulsets=children["StatefulSet"], pods=children["Pod"])
+        observed = Observed(
+            jobs=children["Job"],
+            statefulsets=children["StatefulSet"],
+            pods=children["Pod"],
+            services=children["Service"],
+        )
         # The applied children as they are, to skip applying those that already match.
         live = {
             (o["kind"], o["metadata"]["name"]): o

@@ -15,8 +15,10 @@ RULES: list[dict[str, Any]] = [
     {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": [*_WATCH, "delete"]},
     {"apiGroups": [GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
     # Children: server-side applied (patch; create when new), watched; Jobs are only created
-    # (their pod template is immutable) and deleted on restart.
-    {"apiGroups": [""], "resources": ["configmaps", "services"], "verbs": [*_WATCH, "create", "patch"]},
+    # (their pod template is immutable) and deleted on restart; a removed engine's StatefulSet
+    # and Service are deleted.
+    {"apiGroups": [""], "resources": ["configmaps"], "verbs": [*_WATCH, "create", "patch"]},
+    {"apiGroups": [""], "resources": ["services"], "verbs": [*_WATCH, "create", "patch", "delete"]},
     {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": [*_WATCH, "create", "patch", "delete"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": [*_WATCH, "create", "delete"]},
     # Pods are only observed (phase, scheduling, failures).

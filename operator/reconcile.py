@@ -51,6 +51,7 @@ class Observed:
     jobs: list[dict[str, Any]] = field(default_factory=list)
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)
+    services: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -169,10 +170,11 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
     pending = _pending_changes(desired, trainers)
     stale = [name for name in trainers if name not in current.values()]
     decision.delete += [("Job", name) for name in stale]
-    # A rollout engine removed from the spec: its servers go (their GPUs are no longer counted).
-    wanted = {o["metadata"]["name"] for o in desired.objects if o["kind"] == "StatefulSet"}
-    decision.delete += [("StatefulSet", s["metadata"]["name"]) for s in observed.statefulsets
-                        if s["metadata"]["name"] not in wanted]  # fmt: skip
+    # A rollout engine removed from the spec: its servers go (their GPUs are no longer counted),
+    # and so does its headless Service.
+    for kind, objects in (("StatefulSet", observed.statefulsets), ("Service", observed.services)):
+        wanted = {o["metadata"]["name"] for o in desired.objects if o["kind"] == kind}
+        decision.delete += [(kind, o["metadata"]["name"]) for o in objects if o["metadata"]["name"] not in wanted]
 
     # Trainer finished or failed?
     failure = _trainer_failure(trainers, current, observed.pods, restarts)

@@ -353,6 +353,9 @@ def test_engines_removed_and_resized_while_running(cluster: Cluster, namespace: 
              and [s.metadata.name for s in apps.list_namespaced_stateful_set(namespace).items] == ["edit-rollout"],
              timeout=120)  # fmt: skip
     print(f"\nengine removed: torn down in {time.monotonic() - edited:.1f} s")
+    core = client.CoreV1Api(cluster.api)
+    wait_for("its Service deleted", lambda: "edit-rollout-small" not in
+             {s.metadata.name for s in core.list_namespaced_service(namespace).items}, timeout=60)  # fmt: skip
     status = wait_for("status without it", lambda: (s := get(cluster, namespace, "edit")["status"])["gpus"] == 2
                       and s["phase"] == "Running" and s)  # fmt: skip
     assert set(status["allocation"]) == {"rollout", "actor"}

@@ -72,7 +72,7 @@ def test_rbac_grants_exactly_the_calls_the_code_makes() -> None:
 
     applied = {"configmaps", "services", "statefulsets"}  # Decision.apply kinds
     created = {"jobs"}  # Decision.create_only
-    deleted = {"jobs", "statefulsets", "rljobs"}  # restarts, suspend, TTL
+    deleted = {"jobs", "statefulsets", "services", "rljobs"}  # restarts, suspend, TTL, a removed engine
     watched = {"rljobs", "pods", "jobs", "statefulsets", "services", "configmaps"}  # kopf handlers
     expected: dict[str, set[str]] = {}
     for kinds, verbs in ((applied, {"patch", "create"}), (created, {"create"}), (deleted, {"delete"}),

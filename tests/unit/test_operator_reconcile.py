@@ -251,8 +251,13 @@ def test_a_rollout_engine_removed_from_the_spec_is_torn_down() -> None:
     def sts(name: str) -> dict[str, Any]:
         return {"kind": "StatefulSet", "metadata": {"name": name, "labels": {"treetrain.dev/component": "rollout"}}}
 
+    def svc(name: str) -> dict[str, Any]:
+        return {"kind": "Service", "metadata": {"name": name}}
+
     observed = Observed(jobs=[job("demo-trainer")], statefulsets=[sts("demo-rollout"), sts("demo-rollout-small")],
-                        pods=running_pods())  # fmt: skip
+                        pods=running_pods(), services=[svc("demo-rollout"), svc("demo-rollout-small"),
+                                                       svc("demo-trainer")])  # fmt: skip
     d = decide(rljob(), observed, NOW)
-    assert ("StatefulSet", "demo-rollout-small") in d.delete
-    assert ("StatefulSet", "demo-rollout") not in d.delete
+    assert ("StatefulSet", "demo-rollout-small") in d.delete and ("Service", "demo-rollout-small") in d.delete
+    assert ("StatefulSet", "demo-rollout") not in d.delete and ("Service", "demo-rollout") not in d.delete
+    assert ("Service", "demo-trainer") not in d.delete
