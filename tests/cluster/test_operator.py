@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from cluster_helpers import free_port, http_get, wait_for
+from cluster_helpers import free_port, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
 
 from rljob_operator.handlers import Controller
@@ -54,37 +54,8 @@ def crd(cluster: Cluster) -> None:
 @pytest.fixture(scope="module")
 def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A kubeconfig with the token of a ServiceAccount bound to the operator's RBAC rules."""
-    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
-    ns, name = "rljob-system", "rljob-operator"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-    core.create_namespaced_service_account(ns, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name)))
-    rbac.create_cluster_role({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                              "metadata": {"name": name}, "rules": RULES})  # fmt: skip
-    rbac.create_cluster_role_binding(
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ns}],
-        }
-    )
-    token = core.create_namespaced_service_account_token(
-        name, ns, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[]))
-    ).status.token
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    cluster_entry = admin["clusters"][0]
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [cluster_entry],
-        "users": [{"name": name, "user": {"token": token}}],
-        "contexts": [{"name": name, "context": {"cluster": cluster_entry["name"], "user": name}}],
-        "current-context": name,
-    }
     path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return service_account_kubeconfig(cluster.api, cluster.kubeconfig, "rljob-system", "rljob-operator", RULES, path)
 
 
 class RunningOperator:

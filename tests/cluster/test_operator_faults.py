@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import yaml
-from cluster_helpers import free_port, http_get, wait_for
+from cluster_helpers import free_port, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
 from test_operator import FAIL, ROOT, cond, create, custom, get, label_pods, phase_is, rljob, trainer_selector
 
@@ -48,37 +47,12 @@ FATAL = ("the operator stops so that it is restarted", "Traceback")
 @pytest.fixture(scope="module")
 def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A kubeconfig with the token of a ServiceAccount bound to the operator's rules only."""
-    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
     cluster.run("kubectl", "apply", "--server-side", "-f", str(ROOT / "crds" / "rljob.yaml"))
     cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
     name = f"rljob-faults-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    core.create_namespaced_service_account(name, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=name)))
-    rbac.create_cluster_role({"metadata": {"name": name}, "rules": RULES})
-    rbac.create_cluster_role_binding(
-        {
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": name}],
-        }
-    )
-    token = core.create_namespaced_service_account_token(
-        name, name, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[]))
-    ).status.token
-    entry = yaml.safe_load(cluster.kubeconfig.read_text())["clusters"][0]
     path = tmp_path_factory.mktemp("faults") / "kubeconfig"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [entry],
-                "users": [{"name": name, "user": {"token": token}}],
-                "contexts": [{"name": name, "context": {"cluster": entry["name"], "user": name}}],
-                "current-context": name,
-            }
-        )
-    )
+    service_account_kubeconfig(cluster.api, cluster.kubeconfig, name, name, RULES, path)
+    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
     yield path
     rbac.delete_cluster_role_binding(name)
     rbac.delete_cluster_role(name)
