@@ -363,6 +363,12 @@ INVALID = [
         "spec.actor.treeTraining.maxTokensPerMicrobatch",
         "12 must be a multiple of 8 (lcm of blockSize=4 and t=8); use 8 or 16",
     ),
+    # Archon splits each tree's rows over c as well: once refused only in the pod.
+    (
+        {"actor": {"backend": "archon:c3", "treeTraining": {"maxTokensPerMicrobatch": 1024, "blockSize": 128}}},
+        "spec.actor.treeTraining.maxTokensPerMicrobatch",
+        "1024 must be a multiple of 384 (lcm of blockSize=128 and t*c=3); use 768 or 1152",
+    ),
     ({"actor": {"backend": "fsdp:c2d4"}}, "spec.actor.backend", "context parallelism is not supported by the FSDP"),
     (
         {"actor": {"backend": "fsdp:d8", "treeTraining": {"attention": "flash"}}},

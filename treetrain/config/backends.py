@@ -65,7 +65,8 @@ def check_training_backend(backend: str) -> Allocation:
 
 
 def alignment_size(allocation: Allocation) -> int:
-    """Tokens of a packed tree must split evenly over this many ranks (tensor parallel; the
-    Megatron engine also splits each tree's rows over its context parallel ranks)."""
+    """Tokens of a packed tree must split evenly over this many ranks: tensor parallel (sequence
+    parallel) times context parallel, which splits each tree's rows (the FSDP engine refuses
+    ``c``). The engines pack with the same size (``Engine._pack_config``)."""
     dims = allocation.dims
-    return dims.tp * dims.cp if allocation.backend == "megatron" else dims.tp
+    return dims.tp * dims.cp

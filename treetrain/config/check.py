@@ -91,7 +91,8 @@ def check_actor(s: Sections) -> list[Problem]:
     if not s.fine("actor.treeTraining"):
         return []
     tree = s.actor.tree_training
-    why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, alignment_size(found), names=("blockSize", "t"))
+    names = ("blockSize", "t*c" if found.dims.cp > 1 else "t")
+    why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, alignment_size(found), names=names)
     return [("actor.treeTraining.maxTokensPerMicrobatch", f"{tree.max_tokens_per_mb} {why}")] if why else []
 
 
