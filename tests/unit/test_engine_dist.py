@@ -111,7 +111,8 @@ def _check_grad_norm(engine: Any, backend: str) -> None:
     local shards in place."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from treetrain.engines.fsdp import grad_norm, scale_grads
+    from treetrain.engines.base import scale_grads
+    from treetrain.engines.fsdp import grad_norm
 
     full = engine.full_grads()
     want = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in full.values()])).float()

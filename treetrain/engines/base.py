@@ -1,4 +1,4 @@
-"""The engine interface every training backend (FSDP now; Megatron, Archon later) implements.
+"""The engine interface every training backend (FSDP, Megatron, Archon) implements.
 
 Letters: M gathered positions of one micro-batch (each sequence contributes ``len - 1``:
 position ``i`` predicts token ``i + 1``), S sequences.
@@ -12,15 +12,18 @@ it fixes before the micro-batch loop, so uneven micro-batches still give the bat
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from treetrain.config import OptimizerSettings, TreeTrainingSettings
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.parallel import ParallelLayout
+from treetrain.tree import PackConfig, PackedBatch, pack
 
 __all__ = ["ROLES", "Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "check_role"]
 
@@ -170,6 +173,12 @@ class Engine(ABC):
     model: torch.nn.Module  # the (sharded) module; local rollout samples from an actor's
     attention: str  # the tree attention backend in use (resolved from the config's name)
     steps: int  # optimizer steps taken (restored by load)
+    # What the shared packing and optimizer step below read.
+    role: str
+    tree: TreeTrainingSettings
+    block_size: int
+    optim: OptimizerSettings | None  # None: forward only (a reference model)
+    optimizer: torch.optim.Optimizer | None
 
     @property
     @abstractmethod
@@ -190,12 +199,56 @@ class Engine(ABC):
     def forward(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per-sequence log-probs (actor) or values (critic), no grad, input order."""
 
-    @abstractmethod
-    def step(self) -> float:
-        """Clip, apply the optimizer, zero the gradients; returns the gradient norm."""
+    # -- packing ---------------------------------------------------------------------------
+    def _pack_config(self, *, tree: bool) -> PackConfig:
+        """Trees aligned to the block and to the ranks that split a tree's tokens (tensor /
+        sequence parallel times context parallel: ``treetrain.config.alignment_size``), spread
+        over the data-parallel ranks."""
+        return PackConfig(
+            max_tokens_per_mb=self.tree.max_tokens_per_mb,
+            block_size=self.block_size,
+            parallel_size=self.layout.tp * self.layout.cp,
+            dp_size=self.layout.dp,
+            pad_to_max=self.tree.pad_to_maximum,
+            share_prefixes=tree,
+        )
 
+    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
+        use_tree = self.tree.enabled if tree is None else tree
+        return pack(sequences, self._pack_config(tree=use_tree))
+
+    # -- the optimizer step ----------------------------------------------------------------
     @abstractmethod
-    def zero_grad(self) -> None: ...
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the gradients (one collective; every distinct shard once)."""
+
+    def step(self) -> float:
+        """Clip the gradients to ``max_grad_norm`` (one all-reduce, one host sync), apply AdamW
+        with the warm-up learning rate, zero the gradients; returns the norm before clipping."""
+        if self.optimizer is None or self.optim is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
+        cfg = self.optim
+        norm = float(self.grad_norm())  # host sync: once per step, logged too
+        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
+            scale_grads(self.model.parameters(), cfg.max_grad_norm / (norm + 1e-6))
+        warm = cfg.warmup_steps
+        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self._refresh_sampler()
+        return norm
+
+    def _refresh_sampler(self) -> None:
+        """Bring :meth:`sampling_model` up to the new weights (after a step or a load); the
+        default model is :attr:`model` itself, always current."""
+        return
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     @abstractmethod
     def save(self, path: Path, extra: Mapping[str, Any]) -> None:
@@ -225,3 +278,17 @@ class Engine(ABC):
             for f in sorted(Path(tmp).glob("*.safetensors")):
                 state.update(load_file(f))
             return state
+
+
+def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
+    """Multiply every gradient in place (each rank its local shards; a pending sum's parts
+    scale its sum)."""
+    grads = []
+    for p in params:
+        g = p.grad
+        if g is not None:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            if local.numel():
+                grads.append(local)
+    if grads:
+        torch.foreach.mul_(grads, coef)

@@ -40,6 +40,14 @@ class ParallelLayout:
         return self.allocation.dims.tp
 
     @property
+    def cp(self) -> int:
+        return self.allocation.dims.cp
+
+    @property
+    def pp(self) -> int:
+        return self.allocation.dims.pp
+
+    @property
     def dp_rank(self) -> int:
         return self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
 

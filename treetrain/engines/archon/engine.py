@@ -53,10 +53,9 @@ from treetrain.engines.base import (
     check_role,
 )
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.fsdp.engine import scale_grads
 from treetrain.engines.fsdp.model import ModelSource
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
-from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+from treetrain.tree import PackedTree
 
 
 @dataclass(slots=True)
@@ -196,21 +195,6 @@ class ArchonEngine(Engine):
         return state
 
     # -- packing ---------------------------------------------------------------------------
-    def _pack_config(self, *, tree: bool) -> PackConfig:
-        return PackConfig(
-            max_tokens_per_mb=self.tree.max_tokens_per_mb,
-            block_size=self.block_size,
-            # Sequence parallel splits a tree's tokens over t, context parallel over c.
-            parallel_size=self.layout.tp * self.layout.cp,
-            dp_size=self.layout.dp,
-            pad_to_max=self.tree.pad_to_maximum,
-            share_prefixes=tree,
-        )
-
-    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
-        use_tree = self.tree.enabled if tree is None else tree
-        return pack(sequences, self._pack_config(tree=use_tree))
-
     # -- one micro-batch -------------------------------------------------------------------
     def _inputs(self, tree: PackedTree) -> _Inputs:
         device = self.layout.device
@@ -384,29 +368,8 @@ class ArchonEngine(Engine):
         skip = tied if tied is not None and not self.first_stage else None
         return [p for p in self.model.parameters() if p is not skip]
 
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        """Clip to ``max_grad_norm`` (one all-reduce, one host sync), apply AdamW with the
-        warm-up learning rate, zero the gradients; returns the norm before clipping."""
-        if self.optimizer is None or self.optim is None:
-            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
-        cfg = self.optim
-        params = list(self.model.parameters())
-        norm = float(grad_norm(self.norm_params(), stages=self.layout.pp, device=self.layout.device))  # host sync
-        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
-            scale_grads(params, cfg.max_grad_norm / (norm + 1e-6))
-        warm = cfg.warmup_steps
-        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        self._refresh_sampler()
-        return norm
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.norm_params(), stages=self.layout.pp, device=self.layout.device)
 
     # -- checkpoints -----------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:

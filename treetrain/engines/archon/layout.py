@@ -45,14 +45,6 @@ class ArchonLayout(ParallelLayout):
     experts: DeviceMesh | None = None  # only when experts are sharded (e or ffn t > 1)
 
     @property
-    def pp(self) -> int:
-        return self.allocation.dims.pp
-
-    @property
-    def cp(self) -> int:
-        return self.allocation.dims.cp
-
-    @property
     def ep(self) -> int:
         return self.allocation.dims.ep
 

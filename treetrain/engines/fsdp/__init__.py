@@ -10,7 +10,7 @@ Build engines with :func:`treetrain.engines.build_engine`.
 """
 
 from treetrain.engines.base import ROLES
-from treetrain.engines.fsdp.engine import FSDPEngine, grad_norm, scale_grads
+from treetrain.engines.fsdp.engine import FSDPEngine, grad_norm
 from treetrain.engines.fsdp.model import ModelSource, ValueModel, build_model, hf_config, load_sharded
 from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, mixed_precision, parallelize, param_dtype
 
@@ -28,5 +28,4 @@ __all__ = [
     "mixed_precision",
     "parallelize",
     "param_dtype",
-    "scale_grads",
 ]

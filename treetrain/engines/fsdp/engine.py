@@ -41,7 +41,7 @@ from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigErro
 from treetrain.engines.fsdp.model import ModelSource, build_parallel
 from treetrain.engines.parallel import ParallelLayout
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
-from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+from treetrain.tree import PackedTree
 
 
 @dataclass(slots=True)
@@ -84,21 +84,6 @@ class FSDPEngine(Engine):
     @property
     def vocab_size(self) -> int:
         return int(self.source.config.vocab_size)
-
-    # -- packing ---------------------------------------------------------------------------
-    def _pack_config(self, *, tree: bool) -> PackConfig:
-        return PackConfig(
-            max_tokens_per_mb=self.tree.max_tokens_per_mb,
-            block_size=self.block_size,
-            parallel_size=self.layout.tp,
-            dp_size=self.layout.dp,
-            pad_to_max=self.tree.pad_to_maximum,
-            share_prefixes=tree,
-        )
-
-    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
-        use_tree = self.tree.enabled if tree is None else tree
-        return pack(sequences, self._pack_config(tree=use_tree))
 
     # -- one micro-batch -------------------------------------------------------------------
     def _run(self, tree: PackedTree, *, entropy: bool) -> _Run:
@@ -182,28 +167,8 @@ class FSDPEngine(Engine):
         return [mine[i] for i in range(len(batch))]
 
     # -- optimizer -------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        """Clip the gradients to ``max_grad_norm`` (one all-reduce, one host sync), apply
-        AdamW with the warm-up learning rate, zero the gradients; returns the norm before clipping."""
-        if self.optimizer is None or self.optim is None:
-            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
-        cfg = self.optim
-        params = list(self.model.parameters())
-        norm = float(grad_norm(params, device=self.layout.device))  # host sync: once per step, logged too
-        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
-            scale_grads(params, cfg.max_grad_norm / (norm + 1e-6))
-        warm = cfg.warmup_steps
-        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        return norm
+    def grad_norm(self) -> torch.Tensor:
+        return grad_norm(self.model.parameters(), device=self.layout.device)
 
     # -- checkpoints -----------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -360,20 +325,6 @@ def grad_norm(params: Iterable[torch.Tensor], *, device: torch.device | None = N
 
 
 @torch.no_grad()
-def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:
-    """Multiply every gradient in place (each rank its local shards; a pending sum's parts
-    scale its sum)."""
-    grads = []
-    for p in params:
-        g = p.grad
-        if g is not None:
-            local = g.to_local() if isinstance(g, DTensor) else g
-            if local.numel():
-                grads.append(local)
-    if grads:
-        torch.foreach.mul_(grads, coef)
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

@@ -38,7 +38,7 @@ from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
 from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
 from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
-from treetrain.tree import PAD_TOKEN_ID, PackConfig, PackedBatch, PackedTree, pack
+from treetrain.tree import PAD_TOKEN_ID, PackedBatch, PackedTree
 
 
 @dataclass(slots=True)
@@ -127,20 +127,6 @@ class MegatronEngine(Engine):
                 p.copy_(value)
 
     # -- packing ----------------------------------------------------------------------------
-    def _pack_config(self, *, tree: bool) -> PackConfig:
-        return PackConfig(
-            max_tokens_per_mb=self.tree.max_tokens_per_mb,
-            block_size=self.block_size,
-            parallel_size=self.sizes["tp"] * self.sizes["cp"],
-            dp_size=self.sizes["dp"],
-            pad_to_max=self.tree.pad_to_maximum,
-            share_prefixes=tree,
-        )
-
-    def pack(self, sequences: Sequence[Sequence[int]], *, tree: bool | None = None) -> PackedBatch:
-        use_tree = self.tree.enabled if tree is None else tree
-        return pack(sequences, self._pack_config(tree=use_tree))
-
     def _rank_trees(self, packed: PackedBatch) -> list[PackedTree]:
         """This data-parallel rank's trees. Under expert parallel, tokens of the same
         micro-batch of every data-parallel rank meet in the expert layers (the allgather
@@ -398,29 +384,6 @@ class MegatronEngine(Engine):
         if self.layout.world_size > 1:
             dist.all_reduce(total)
         return total.sqrt()
-
-    def zero_grad(self) -> None:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def step(self) -> float:
-        if self.optimizer is None or self.optim is None:
-            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot step")
-        cfg = self.optim
-        norm = float(self.grad_norm())  # host sync: once per step, logged too
-        if cfg.max_grad_norm > 0 and norm > cfg.max_grad_norm:
-            coef = cfg.max_grad_norm / (norm + 1e-6)
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
-        warm = cfg.warmup_steps
-        lr = cfg.lr * min(1.0, (self.steps + 1) / warm) if warm else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
-        self._refresh_sampler()
-        return norm
 
     # -- checkpoints and export --------------------------------------------------------------
     def _own_file(self, path: Path) -> Path:

@@ -24,14 +24,6 @@ class MegatronLayout(ParallelLayout):
     """This process's place in Megatron's grid; ``mesh`` is None (groups live in parallel_state)."""
 
     @property
-    def pp(self) -> int:
-        return self.allocation.dims.pp
-
-    @property
-    def cp(self) -> int:
-        return self.allocation.dims.cp
-
-    @property
     def dp_rank(self) -> int:
         from megatron.core import parallel_state as ps
 
