@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,3 +84,49 @@ def service_account_kubeconfig(
         )
     )
     return path
+
+
+def gpus_in_use(api: Any) -> int:
+    """GPUs that scheduled, unfinished pods hold (limits of ``nvidia.com/gpu``)."""
+    from kubernetes import client
+
+    used = 0
+    for pod in client.CoreV1Api(api).list_pod_for_all_namespaces().items:
+        if pod.status.phase in ("Succeeded", "Failed") or not pod.spec.node_name:
+            continue
+        for container in pod.spec.containers:
+            used += int(((container.resources and container.resources.limits) or {}).get("nvidia.com/gpu", 0))
+    return used
+
+
+@contextlib.contextmanager
+def gpu_room(api: Any, gpus: int, prefix: str, cidr_offset: int) -> Iterator[None]:
+    """Simulated GPU nodes like the launcher's, added until ``gpus`` GPUs are free beside what
+    earlier tests' pods still hold (plus one node to spare); removed at the end. Node ``i``
+    gets pod CIDR ``127.3.{cidr_offset + i}.0/24``."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    nodes = core.list_node(label_selector="nvidia.com/gpu.present=true").items
+    template = nodes[0].to_dict()
+    per_node = int(template["status"]["allocatable"]["nvidia.com/gpu"])
+    free = sum(int(n.status.allocatable["nvidia.com/gpu"]) for n in nodes) - gpus_in_use(api)
+    extra = [f"{prefix}-{i}" for i in range(max(0, -(-(gpus - free) // per_node)) + 1)]
+    for i, name in enumerate(extra):
+        core.create_node(
+            {
+                "metadata": {
+                    "name": name,
+                    "labels": {**template["metadata"]["labels"], "kubernetes.io/hostname": name},
+                    "annotations": template["metadata"]["annotations"],
+                },
+                "spec": {"podCIDR": f"127.3.{cidr_offset + i}.0/24"},
+                "status": {"capacity": template["status"]["capacity"],
+                           "allocatable": template["status"]["allocatable"]},
+            }
+        )  # fmt: skip
+    try:
+        yield
+    finally:
+        for name in extra:
+            core.delete_node(name)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from cluster_helpers import free_port, http_get, service_account_kubeconfig, wait_for
+from cluster_helpers import free_port, gpu_room, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
 
 from rljob_operator.handlers import Controller
@@ -598,43 +598,15 @@ def test_ttl_deletes_finished_rljob(cluster: Cluster, namespace: str, operator: 
     wait_for("RLJob deleted by its TTL", deleted, timeout=30)
 
 
-def _gpus_in_use(core: client.CoreV1Api) -> int:
-    used = 0
-    for pod in core.list_pod_for_all_namespaces().items:
-        if pod.status.phase in ("Succeeded", "Failed") or not pod.spec.node_name:
-            continue
-        for container in pod.spec.containers:
-            used += int(((container.resources and container.resources.limits) or {}).get("nvidia.com/gpu", 0))
-    return used
-
-
 @pytest.mark.slow
 def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: RunningOperator) -> None:
-    core = client.CoreV1Api(cluster.api)
     # 50 RLJobs of 2 GPUs need 100 free GPUs: add simulated nodes like the launcher's, enough
     # for what the session's earlier tests may still hold while their namespaces go away.
-    gpu_nodes = core.list_node(label_selector="nvidia.com/gpu.present=true").items
-    template = gpu_nodes[0].to_dict()
-    per_node = int(template["status"]["allocatable"]["nvidia.com/gpu"])
-    free = sum(int(n.status.allocatable["nvidia.com/gpu"]) for n in gpu_nodes) - _gpus_in_use(core)
-    extra = [f"scale-gpu-{i}" for i in range(max(0, -(-(100 - free) // per_node)) + 1)]
-    for i, name in enumerate(extra):
-        core.create_node(
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {
-                    "name": name,
-                    "labels": {**template["metadata"]["labels"], "kubernetes.io/hostname": name},
-                    "annotations": template["metadata"]["annotations"],
-                },
-                "spec": {"podCIDR": f"127.3.{i}.0/24"},
-                "status": {
-                    "capacity": template["status"]["capacity"],
-                    "allocatable": template["status"]["allocatable"],
-                },
-            }
-        )
+    with gpu_room(cluster.api, 100, "scale-gpu", cidr_offset=0):
+        _fifty_rljobs_converge(cluster, namespace)
+
+
+def _fifty_rljobs_converge(cluster: Cluster, namespace: str) -> None:
     try:
         names = [f"scale-{i:02d}" for i in range(50)]
         started = time.monotonic()
@@ -655,8 +627,6 @@ def test_fifty_rljobs_converge(cluster: Cluster, namespace: str, operator: Runni
         for name in names:
             custom(cluster).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
         wait_for("pods gone", lambda: not pods(cluster, namespace, "treetrain.dev/rljob"), timeout=120)
-        for name in extra:
-            core.delete_node(name)
 
 
 def test_rljob_operator_command_for_one_namespace(

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from cluster_helpers import free_port, http_get, service_account_kubeconfig, wait_for
+from cluster_helpers import free_port, gpu_room, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
 from test_operator import FAIL, ROOT, cond, create, custom, get, label_pods, phase_is, rljob, trainer_selector
 
@@ -60,41 +60,11 @@ def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def gpu_room(cluster: Cluster) -> Iterator[None]:
+def extra_gpus(cluster: Cluster) -> Iterator[None]:
     """Extra simulated GPU nodes, so that 20 small RLJobs fit beside whatever earlier tests'
     namespaces still hold while they go away."""
-    core = client.CoreV1Api(cluster.api)
-    nodes = core.list_node(label_selector="nvidia.com/gpu.present=true").items
-    template = nodes[0].to_dict()
-    per_node = int(template["status"]["allocatable"]["nvidia.com/gpu"])
-    free = sum(int(n.status.allocatable["nvidia.com/gpu"]) for n in nodes) - _gpus_in_use(core)
-    extra = [f"faults-gpu-{i}" for i in range(max(0, -(-(48 - free) // per_node)) + 1)]
-    for i, name in enumerate(extra):
-        core.create_node(
-            {
-                "metadata": {
-                    "name": name,
-                    "labels": {**template["metadata"]["labels"], "kubernetes.io/hostname": name},
-                    "annotations": template["metadata"]["annotations"],
-                },
-                "spec": {"podCIDR": f"127.3.{200 + i}.0/24"},
-                "status": {"capacity": template["status"]["capacity"],
-                           "allocatable": template["status"]["allocatable"]},
-            }
-        )  # fmt: skip
-    yield
-    for name in extra:
-        core.delete_node(name)
-
-
-def _gpus_in_use(core: client.CoreV1Api) -> int:
-    used = 0
-    for pod in core.list_pod_for_all_namespaces().items:
-        if pod.status.phase in ("Succeeded", "Failed") or not pod.spec.node_name:
-            continue
-        for container in pod.spec.containers:
-            used += int(((container.resources and container.resources.limits) or {}).get("nvidia.com/gpu", 0))
-    return used
+    with gpu_room(cluster.api, 48, "faults-gpu", cidr_offset=200):
+        yield
 
 
 class OperatorProcess:
@@ -224,7 +194,7 @@ def launcher(cluster: Cluster, *args: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_mid_reconcile_of_twenty_rljobs_then_restart(
-    cluster: Cluster, namespace: str, operator: OperatorProcess, gpu_room: None
+    cluster: Cluster, namespace: str, operator: OperatorProcess, extra_gpus: None
 ) -> None:
     names = [f"kill-{i:02d}" for i in range(20)]
     for name in names:
