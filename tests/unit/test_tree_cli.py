@@ -1,8 +1,12 @@
-"""`treetrain pack-stats`: frozen flags and --json keys, exit codes."""
+"""`treetrain pack-stats`: frozen flags and --json keys, exit codes, streaming and the checks in C."""
 
 from __future__ import annotations
 
 import json
+import random
+import tracemalloc
+from array import array
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from treetrain.cli import build_parser, main
+from treetrain.cli import pack_stats as pack_stats_cli
+from treetrain.tree import PackConfig, PackingError, pack, pack_stats
 
 JSON_KEYS = [
     "file",
@@ -144,3 +150,100 @@ def test_any_input_packs_or_is_one_line_of_error(
         assert json.loads(out)["sequences"] >= 1
     else:
         assert code == 2 and err.startswith("treetrain pack-stats: error:") and len(err.splitlines()) == 1, err
+
+
+# -- streaming and the checks in C (issue 21) -----------------------------------------------
+
+
+def _reference_sequence(raw: bytes, where: str) -> list[int]:
+    """The item-by-item checks pack-stats ran before they moved into C (the messages to keep)."""
+    value = json.loads(raw)
+    if isinstance(value, dict):
+        value = value.get("input_ids")
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise PackingError(f'{where}: expected a JSON list of token ids or an object with "input_ids": [...]')
+    bad = next((i for i, t in enumerate(value) if not 0 <= t <= pack_stats_cli.MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise PackingError(f"{where}: token {bad} is {value[bad]}; token ids are 0..{pack_stats_cli.MAX_TOKEN_ID}")
+    return value
+
+
+_ITEM = (
+    st.integers(min_value=-(2**33), max_value=2**33)
+    | st.integers(min_value=0, max_value=300)
+    | st.booleans()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.none()
+    | st.text(max_size=5)
+    | st.lists(st.integers(0, 9), max_size=2)
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_ITEM, max_size=12),
+    st.sampled_from(["list", "object", "object+true", "object+false"]),
+)
+def test_checks_in_c_say_what_the_item_checks_said(items: list[object], shape: str) -> None:
+    if shape == "list":
+        raw = json.dumps(items).encode()
+    else:
+        extra = {"object+true": ', "note": "true"', "object+false": ', "ok": false'}.get(shape, "")
+        raw = ('{"input_ids": ' + json.dumps(items) + extra + "}").encode()
+    try:
+        want: list[int] | str = _reference_sequence(raw, "f:1")
+    except PackingError as err:
+        want = str(err)
+    try:
+        got: list[int] | str = list(pack_stats_cli._sequence(raw, "f:1"))
+    except PackingError as err:
+        got = str(err)
+    assert got == want
+
+
+def test_the_reader_streams(tmp_path: Path) -> None:
+    # A generator: a line is read and checked only when the packer asks for it, so the first
+    # rows come before a bad line further down is even read.
+    path = _write(tmp_path, ["[1, 2, 3]", '{"input_ids": [4, 5]}', "not json"])
+    rows = pack_stats_cli.read_jsonl(path)
+    assert isinstance(rows, Iterator)
+    assert [list(next(rows)), list(next(rows))] == [[1, 2, 3], [4, 5]]
+    with pytest.raises(PackingError, match=":3: not JSON"):
+        next(rows)
+
+
+def test_memory_is_the_rows_not_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Agent-shaped samples (each turn holds the conversation so far) with six-digit token ids:
+    # about 7 bytes of JSON a token. Lists of Python ints held about 36 bytes a token, and the
+    # laid-out trees more (traced peak 7.3x the file); rows of C ints hold 4 (peak 0.57x).
+    rng = random.Random(0)
+    lines, original = [], 0
+    for _ in range(12):
+        history = [rng.randrange(100_000, 999_999) for _ in range(2000)]
+        for _ in range(10):
+            history += [rng.randrange(100_000, 999_999) for _ in range(300)]
+            lines.append(json.dumps(history))
+            original += len(history)
+    path = _write(tmp_path, lines)
+    size = Path(path).stat().st_size
+    tracemalloc.start()
+    try:
+        assert main(["pack-stats", path, "--max-tokens", "8192", "--json"]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert json.loads(capsys.readouterr().out)["original_tokens"] == original
+    assert peak < 0.8 * size, f"peak {peak / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=30), min_size=1, max_size=25),
+    st.sampled_from([128, 256]),
+    st.integers(1, 3),
+    st.booleans(),
+)
+def test_pack_stats_on_rows_is_pack_on_lists(seqs: list[list[int]], cap: int, dp: int, pad: bool) -> None:
+    config = PackConfig(max_tokens_per_mb=cap, block_size=64, dp_size=dp, pad_to_max=pad)
+    rows = [array(pack_stats_cli.TOKEN_TYPECODE, s) for s in seqs]
+    assert pack_stats(rows, config) == pack(seqs, config).stats

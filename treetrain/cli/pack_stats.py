@@ -6,9 +6,11 @@ import argparse
 import itertools
 import json
 import sys
+from array import array
+from collections.abc import Iterator
 from typing import Any
 
-from treetrain.tree import PackConfig, PackingError, pack
+from treetrain.tree import PackConfig, PackingError, pack_stats
 
 EXAMPLES = """\
 input: one sequence per line, either a JSON list of token ids or {"input_ids": [...]}.
@@ -41,15 +43,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"treetrain pack-stats: error: {flag} must be in 1..{limit}, got {value}", file=sys.stderr)
             return 2
     try:
-        sequences = read_jsonl(args.file)
+        # Streamed: each line becomes a compact row as it is read, and only the stats are planned
+        # (no tree is laid out), so memory is the rows (4 bytes a token) plus O(sequences).
+        sequences = list(read_jsonl(args.file))
         config = PackConfig(max_tokens_per_mb=args.max_tokens, block_size=args.block_size, dp_size=args.dp)
-        batch = pack(sequences, config)
+        stats = pack_stats(sequences, config)
     except (OSError, PackingError) as err:
         # The library names its setting; here the user typed --max-tokens / --block-size.
         message = str(err).replace("max_tokens_per_mb", "--max-tokens").replace("block_size=", "--block-size=")
         print(f"treetrain pack-stats: error: {message}", file=sys.stderr)
         return 2
-    row = {"file": args.file, **batch.stats.to_dict()}
+    row = {"file": args.file, **stats.to_dict()}
     if args.json:
         print(json.dumps(row))
     else:
@@ -76,15 +80,23 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_DP = 4096
 MAX_BLOCK_SIZE = 65536
 
+# Sequences are kept as C ints (4 bytes a token, against about 36 for a list of Python ints):
+# converting a parsed line checks in C that every item is an int of at most MAX_TOKEN_ID.
+TOKEN_TYPECODE = "i"
+assert array(TOKEN_TYPECODE).itemsize == 4 and MAX_TOKEN_ID == (1 << 31) - 1
+_SIGN_BYTE = 3 if sys.byteorder == "little" else 0  # the byte of each C int that holds its sign bit
 
-def read_jsonl(path: str) -> list[list[int]]:
-    """Token sequences from a JSONL file; a bad line raises ``PackingError`` naming it.
 
-    Memory stays bounded by the file's sequences: a line is read at most ``MAX_LINE_BYTES`` at a
-    time (``/dev/zero`` or one huge line is refused, not swallowed), and every failure of the
-    JSON reader (bad UTF-8, deep nesting, numbers past Python's digit limit) is one line."""
+def read_jsonl(path: str) -> Iterator[array[int]]:
+    """Token sequences from a JSONL file, one ``array('i')`` per line, read as they are consumed;
+    a bad line raises ``PackingError`` naming it.
+
+    Only the line being parsed is held as Python objects: memory is the sequences' 4 bytes a
+    token, not the file's JSON. A line is read at most ``MAX_LINE_BYTES`` at a time
+    (``/dev/zero`` or one huge line is refused, not swallowed), and every failure of the JSON
+    reader (bad UTF-8, deep nesting, numbers past Python's digit limit) is one line."""
     stream = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-    sequences: list[list[int]] = []
+    empty = True
     with stream:
         for lineno in itertools.count(1):
             raw = stream.readline(MAX_LINE_BYTES + 1)
@@ -95,13 +107,13 @@ def read_jsonl(path: str) -> list[list[int]]:
                     f"{path}:{lineno}: line longer than {MAX_LINE_BYTES >> 20} MiB; one sequence per line"
                 )
             if raw.strip():
-                sequences.append(_sequence(raw, f"{path}:{lineno}"))
-    if not sequences:
+                empty = False
+                yield _sequence(raw, f"{path}:{lineno}")
+    if empty:
         raise PackingError(f"{path}: no sequences")
-    return sequences
 
 
-def _sequence(raw: bytes, where: str) -> list[int]:
+def _sequence(raw: bytes, where: str) -> array[int]:
     try:
         value = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -114,9 +126,30 @@ def _sequence(raw: bytes, where: str) -> list[int]:
         raise PackingError(f"{where}: not JSON ({str(err).split(':')[0]})") from None
     if isinstance(value, dict):
         value = value.get("input_ids")
+    if isinstance(value, list):
+        # The checks in C: the conversion refuses any item that is not an int in -2**31..2**31-1
+        # (floats, strings, lists, None, big ints), the sign bytes say whether one is negative,
+        # and only bools get through as ints: JSON spells them true/false, both with an "e",
+        # which a list of integers never has (one memchr, then a search only when it is there).
+        try:
+            row = array(TOKEN_TYPECODE, value)
+        except (TypeError, OverflowError):
+            row = None
+        if (
+            row is not None
+            and row.tobytes()[_SIGN_BYTE::4].isascii()
+            and not (b"e" in raw and (b"true" in raw or b"false" in raw))
+        ):
+            return row
+    return _checked(value, where)
+
+
+def _checked(value: Any, where: str) -> array[int]:
+    """The item-by-item checks, for the message naming what is wrong (or a row after all, when
+    "true" was only in a string of the object)."""
     if not isinstance(value, list) or not all(type(t) is int for t in value):
         raise PackingError(f'{where}: expected a JSON list of token ids or an object with "input_ids": [...]')
     bad = next((i for i, t in enumerate(value) if not 0 <= t <= MAX_TOKEN_ID), None)
     if bad is not None:
         raise PackingError(f"{where}: token {bad} is {value[bad]}; token ids are 0..{MAX_TOKEN_ID}")
-    return value
+    return array(TOKEN_TYPECODE, value)

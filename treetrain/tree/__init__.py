@@ -14,6 +14,7 @@ from treetrain.tree.pack import (
     PackingError,
     PackStats,
     pack,
+    pack_stats,
 )
 from treetrain.tree.trie import common_prefix, trie_order
 
@@ -27,5 +28,6 @@ __all__ = [
     "common_prefix",
     "layout_tree",
     "pack",
+    "pack_stats",
     "trie_order",
 ]

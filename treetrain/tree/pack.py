@@ -26,10 +26,11 @@ The policy, in order (all plain Python, deterministic for the same input):
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from treetrain.tree.layout import PackedTree, layout_tree
 from treetrain.tree.trie import trie_order
@@ -150,8 +151,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _validate(sequences: Sequence[Sequence[int]], cap: int) -> list[list[int]]:
-    seqs = [s if type(s) is list else list(s) for s in sequences]
+def _validate(sequences: Sequence[Sequence[int]], cap: int) -> list[list[int]] | list[array[int]]:
+    # Lists, or arrays when every sequence is one, compare (trie order) and slice in C; a list
+    # and an array do not compare, so a mix (or anything else) becomes lists.
+    seqs: list[list[int]] | list[array[int]]
+    if all(type(s) is array for s in sequences):
+        seqs = cast("list[array[int]]", list(sequences))
+    else:
+        seqs = [s if type(s) is list else list(s) for s in sequences]
     for i, s in enumerate(seqs):
         if not s:
             raise PackingError(f"sequence {i} is empty; every sequence needs at least one token")
@@ -161,6 +168,10 @@ def _validate(sequences: Sequence[Sequence[int]], cap: int) -> list[list[int]]:
                 "raise max_tokens_per_mb or truncate/split that sequence"
             )
     return seqs
+
+
+def _as_list(seq: Sequence[int]) -> list[int]:
+    return seq if type(seq) is list else list(seq)
 
 
 class _RangeMin:
@@ -191,6 +202,38 @@ class _Bin:
 
 def pack(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackedBatch:
     """Pack token sequences into trees of at most ``config.max_tokens_per_mb`` tree tokens."""
+    seqs, plan = _plan(sequences, config)
+    trees: list[PackedTree] = []
+    for b, padded in zip(plan.bins, plan.padded_lens, strict=True):
+        positions = [k for s, e in zip(b.starts, b.ends, strict=True) for k in range(s, e)]
+        members = [_as_list(seqs[plan.order[k]]) for k in positions]
+        member_lcp = [0] + [plan.rmq.lcp(positions[j - 1], positions[j]) for j in range(1, len(positions))]
+        tree = layout_tree(members, [plan.order[k] for k in positions], member_lcp, padded)
+        assert tree.num_tokens == b.cost, (tree.num_tokens, b.cost)
+        trees.append(tree)
+    return PackedBatch(trees=tuple(trees), ranks=plan.ranks, stats=plan.stats)
+
+
+def pack_stats(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackStats:
+    """``pack(sequences, config).stats`` without laying the trees out: the same plan, in memory
+    of O(sequences) beyond the input. Sequences may be ``array.array`` rows (4 bytes a token;
+    what ``treetrain pack-stats`` reads into), compared in C like lists."""
+    return _plan(sequences, config)[1].stats
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Which sorted positions go to which tree, and which trees to which rank."""
+
+    order: list[int]
+    rmq: _RangeMin
+    bins: list[_Bin]
+    ranks: tuple[tuple[int, ...], ...]
+    padded_lens: list[int]
+    stats: PackStats
+
+
+def _plan(sequences: Sequence[Sequence[int]], config: PackConfig) -> tuple[list[list[int]] | list[array[int]], _Plan]:
     cap = config.max_tokens_per_mb
     seqs = _validate(sequences, cap)
     n = len(seqs)
@@ -211,28 +254,21 @@ def pack(sequences: Sequence[Sequence[int]], config: PackConfig) -> PackedBatch:
     bins = _best_fit(items, cap, range_cost, rmq, n)
     bins = _split_for_ranks(bins, config.dp_size, lens, rmq)
     ranks = _assign_ranks(bins, config.dp_size)
-
-    trees: list[PackedTree] = []
-    for b in bins:
-        positions = [k for s, e in zip(b.starts, b.ends, strict=True) for k in range(s, e)]
-        members = [seqs[order[k]] for k in positions]
-        member_lcp = [0] + [rmq.lcp(positions[j - 1], positions[j]) for j in range(1, len(positions))]
-        padded = cap if config.pad_to_max else max(1, math.ceil(b.cost / config.alignment)) * config.alignment
-        tree = layout_tree(members, [order[k] for k in positions], member_lcp, padded)
-        assert tree.num_tokens == b.cost, (tree.num_tokens, b.cost)
-        trees.append(tree)
-
-    tree_tokens = sum(t.num_tokens for t in trees)
+    # A tree's tokens are its bin's cost (pack checks it against the layout).
+    padded = [
+        cap if config.pad_to_max else max(1, math.ceil(b.cost / config.alignment)) * config.alignment for b in bins
+    ]
+    tree_tokens = sum(b.cost for b in bins)
     stats = PackStats(
         num_sequences=n,
-        num_trees=len(trees),
+        num_trees=len(bins),
         original_tokens=sum(lens),
         tree_tokens=tree_tokens,
-        padded_tokens=sum(t.padded_len for t in trees) - tree_tokens,
+        padded_tokens=sum(padded) - tree_tokens,
         max_tokens_per_mb=cap,
-        rank_tree_tokens=tuple(sum(trees[i].num_tokens for i in r) for r in ranks),
+        rank_tree_tokens=tuple(sum(bins[i].cost for i in r) for r in ranks),
     )
-    return PackedBatch(trees=tuple(trees), ranks=ranks, stats=stats)
+    return seqs, _Plan(order=order, rmq=rmq, bins=bins, ranks=ranks, padded_lens=padded, stats=stats)
 
 
 def _cut_items(n: int, lcp: list[int], cap: int, range_cost: Any) -> list[tuple[int, int]]:
