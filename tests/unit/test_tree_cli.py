@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import tracemalloc
 from array import array
 from collections.abc import Iterator
@@ -247,3 +249,12 @@ def test_pack_stats_on_rows_is_pack_on_lists(seqs: list[list[int]], cap: int, dp
     config = PackConfig(max_tokens_per_mb=cap, block_size=64, dp_size=dp, pad_to_max=pad)
     rows = [array(pack_stats_cli.TOKEN_TYPECODE, s) for s in seqs]
     assert pack_stats(rows, config) == pack(seqs, config).stats
+
+
+def test_bench_small_run() -> None:
+    # bench/pack_stats.py must not rot: a small run, and its check that before and after agree.
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "bench" / "pack_stats.py"), "--tokens", "50000", "--repeat", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "stats (before == after)" in run.stdout and "after " in run.stdout
