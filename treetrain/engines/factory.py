@@ -14,7 +14,7 @@ from typing import get_args
 
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, check_training_backend
 from treetrain.config.schema import DType
-from treetrain.engines import builtin
+from treetrain.engines import builtin, weights
 from treetrain.engines.base import Engine, check_role
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.parallel import init_distributed
@@ -58,6 +58,8 @@ def build_engine(
             )
         settings = model
     builtin.check_path(settings.path)
+    # A damaged weight file is one line now, not a loader's traceback inside the engine.
+    weights.check_model_dir(builtin.local_dir(settings.path), settings.path)
     allocation = check_training_backend(backend)
     if allocation.backend == "megatron":
         from treetrain.engines.megatron import MegatronEngine, init_megatron

@@ -6,6 +6,13 @@ once every rank has written its part, then ``latest`` is replaced atomically: a 
 full disk mid-save leaves a ``.partial`` directory that is never read (and is removed by the
 next save), never a torn ``step-N/``. Reading goes newest first and falls back to an older
 checkpoint when one cannot be read.
+
+Pruning (``keepCheckpoints``) never deletes the checkpoint just committed nor the one this run
+resumed from, and deletes the ones found unreadable first: after a fallback past a torn
+``step-4`` to ``step-2``, committing ``step-3`` with ``keepCheckpoints: 1`` keeps ``step-3`` and
+``step-2`` and drops the torn ``step-4`` (pruning by step number alone kept the torn one and
+deleted both good ones). The directory is checked when the trainer starts, before any model
+loads or step trains.
 """
 
 from __future__ import annotations
@@ -25,8 +32,27 @@ class Checkpoints:
     def __init__(self, root: str | None, *, keep: int) -> None:
         self.root = Path(root) if root else None
         self.keep = keep
-        if self.root is not None and self.root.exists() and not self.root.is_dir():
-            raise EngineConfigError(f"checkpoint.dir {self.root} is a file; fix: give a directory (it is created)")
+        self.resumed_from: Path | None = None  # never pruned while this run goes on
+        self.unreadable: set[Path] = set()  # found torn by this run's restore: pruned first
+        if self.root is not None:
+            problem = dir_problem(self.root)
+            if problem is not None:
+                raise EngineConfigError(problem)
+
+    def prepare(self) -> None:
+        """Create the directory and read ``latest`` now, so that a directory that cannot be
+        written, or a damaged pointer, stops the run before any model loads or step trains."""
+        if self.root is None:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise EngineConfigError(
+                f"checkpoint.dir {self.root} cannot be created ({err.strerror or err}); fix: give a writable directory"
+            ) from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise EngineConfigError(f"checkpoint.dir {self.root} is not writable; fix: give a writable directory")
+        self.latest()
 
     def partial_dir(self, step: int) -> Path:
         """Where every rank writes the checkpoint of ``step`` (a fresh directory)."""
@@ -56,14 +82,32 @@ class Checkpoints:
             os.fsync(handle.fileno())
         tmp.replace(self.root / LATEST)
         _fsync_dir(self.root)
-        _prune(self.root, keep=self.keep)
+        self.unreadable.discard(final)  # written again, whole
+        steps = {int(p.name[len(PREFIX) :]): p for p in _steps(self.root)}
+        unreadable = {n for n, p in steps.items() if p in self.unreadable or not any(p.iterdir())}
+        protected = {step} | ({_step_of(self.resumed_from)} if self.resumed_from is not None else set())
+        for n in prune_plan(sorted(steps), keep=self.keep, committed=step, protected=protected, unreadable=unreadable):
+            shutil.rmtree(steps[n], ignore_errors=True)
+        for partial in self.root.glob(f"{PREFIX}*{PARTIAL}"):
+            shutil.rmtree(partial, ignore_errors=True)
         return final
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names, if it exists."""
+        """The checkpoint ``latest`` names, if it exists; a ``latest`` that is not text (a
+        damaged file) is an error naming it."""
         if self.root is None or not (self.root / LATEST).is_file():
             return None
-        path = self.root / (self.root / LATEST).read_text().strip()
+        pointer = self.root / LATEST
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as err:
+            raise EngineConfigError(
+                f"{pointer} is not a checkpoint name ({_reason(err)}); fix: delete it (the newest complete "
+                f"checkpoint is then used) or write the name of a step directory into it, e.g. {PREFIX}00000002"
+            ) from None
+        if not name or "\x00" in name:
+            return None
+        path = self.root / name
         return path if path.is_dir() else None
 
     def candidates(self) -> list[Path]:
@@ -96,13 +140,39 @@ def _steps(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(PREFIX + "*") if p.is_dir() and p.name[len(PREFIX) :].isdigit())
 
 
-def _prune(root: Path, *, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints; drop leftovers of interrupted saves."""
-    found = _steps(root)
-    for old in found[: max(0, len(found) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
-    for partial in root.glob(f"{PREFIX}*{PARTIAL}"):
-        shutil.rmtree(partial, ignore_errors=True)
+def _step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX) :])
+
+
+def prune_plan(steps: list[int], *, keep: int, committed: int, protected: set[int], unreadable: set[int]) -> list[int]:
+    """The steps to delete after committing ``committed``: every unreadable one first, then the
+    oldest readable ones beyond ``keep``. ``protected`` steps (the one just committed, the one
+    this run resumed from) are never deleted and count towards ``keep``. Steps above the one
+    just committed were abandoned by a run that resumed from an older one (it will write those
+    steps again): they go before older ones."""
+    doomed = [n for n in steps if n in unreadable and n not in protected]
+    readable = [n for n in steps if n not in unreadable or n in protected]
+    # Most wanted first: the protected ones, then older steps newest first, then abandoned ones.
+    order = sorted(readable, key=lambda n: (n not in protected, n > committed, -n))
+    return sorted(doomed + order[max(keep, len(protected & set(readable))) :])
+
+
+def dir_problem(root: Path) -> str | None:
+    """Why ``checkpoint.dir`` cannot hold checkpoints (it or a directory above it is a file),
+    or None; nothing is created."""
+    for where in (root, *root.parents):
+        if where.exists() or where.is_symlink():
+            if where.is_dir():
+                return None
+            what = "is a file" if where == root else f"is below {where}, which is a file"
+            return f"checkpoint.dir {root} {what}; fix: give a directory (it is created)"
+    return None
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, UnicodeDecodeError):
+        return f"binary data at byte {err.start}"
+    return getattr(err, "strerror", None) or str(err)
 
 
 def _fsync_dir(path: Path) -> None:

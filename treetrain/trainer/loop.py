@@ -103,6 +103,10 @@ class Trainer:
 
     def _build(self, cfg: TrainConfig) -> None:
         t = cfg.trainer
+        # The checkpoint directory first: one that cannot hold checkpoints (below a file, not
+        # writable, a damaged ``latest``) fails before the model loads, not after a step.
+        self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
+        self.checkpoints.prepare()
         builtin.local_dir(cfg.model.path, self.log)  # a packaged built-in model: converted once, with progress
         # The task before the model: a task that cannot load fails before minutes of weight loading.
         self.task: Task = load_task(t.task, t.task_args, lambda: builtin.load_tokenizer(cfg.model.path))
@@ -126,7 +130,6 @@ class Trainer:
         self.client = self._rollout_client()
         self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
         self.synced_version: int | None = None  # the weights the servers were last sent (None: the initial ones)
-        self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
         self.batches: list[TrainBatch] = []  # the last few, for the tree vs flat comparison
@@ -207,7 +210,9 @@ class Trainer:
             if problem is None:
                 step = int(path.name.removeprefix("step-"))
                 self.log(f"resumed from {path} (step {step})")
+                self.checkpoints.resumed_from = path  # kept by every prune of this run
                 return step
+            self.checkpoints.unreadable.add(path)  # the next save prunes it first
             self.log(f"checkpoint: {problem}; trying an older one")
         where = self.checkpoints.root or "(no checkpoint.dir set)"
         if candidates:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from treetrain.attention import TreeAttentionMeta, resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import checkpoint_files as files
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import SafetensorsDir, from_hf, from_hf_state, to_hf
@@ -52,7 +53,7 @@ from treetrain.engines.base import (
     adamw,
     check_role,
 )
-from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackedTree
@@ -401,21 +402,26 @@ class ArchonEngine(Engine):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        own = path / f"{self.role}-rank{self.layout.rank}.pt"
-        if not own.exists():
-            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
-        meta = torch.load(own, weights_only=False)
+        own = files.own_file(path, f"{self.role}-rank{self.layout.rank}.pt", "a different number of ranks")
+        meta = files.read(own)
         if meta.get("model", self.settings.path) != self.settings.path or meta.get("engine") != "archon":
             raise EngineConfigError(
                 f"checkpoint {path} was written for model {meta.get('model')!r} by the {meta.get('engine', 'fsdp')} "
                 f"engine, but this run trains {self.settings.path!r} with archon; fix: give this run a new checkpoint.dir"
             )
+        files.check_meta(meta, own)
         try:
             if self.layout.world_size > 1:
                 state = self._state()
-                dcp_load(state, checkpoint_id=str(path / self.role))
+                try:
+                    dcp_load(state, checkpoint_id=str(path / self.role))
+                except Exception as err:  # DCP wraps every rank's read error in its own exception type
+                    raise CheckpointUnreadableError(
+                        f"{path / self.role} cannot be read: {files.first_line(err)}"
+                    ) from None
             else:
-                state = torch.load(path / f"{self.role}.pt", weights_only=False)
+                state = files.read(path / f"{self.role}.pt")
+                files.check_state(state, path / f"{self.role}.pt", optimizer=self.optimizer is not None)
             if self.optimizer is None:
                 set_model_state_dict(self.model, state["model"])
             else:
@@ -426,17 +432,15 @@ class ArchonEngine(Engine):
                     optim_state_dict=state["optim"],
                     options=_optim_keys(),
                 )
+        except (CheckpointUnreadableError, EngineConfigError):
+            raise
         except (RuntimeError, KeyError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise EngineConfigError(
-                f"cannot resume the {self.role} from checkpoint {path}: {first}; fix: give this run a new "
-                "checkpoint.dir if that checkpoint belongs to another model or layout"
+                f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
+                "new checkpoint.dir if that checkpoint belongs to another model or layout"
             ) from None
         self.steps = int(meta["steps"])
-        random.setstate(meta["rng"]["python"])
-        torch.set_rng_state(meta["rng"]["torch"])
-        if meta["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(meta["rng"]["cuda"])
+        files.restore_rng(meta)
         self._refresh_sampler()
         extra: dict[str, Any] = meta["extra"]
         return extra

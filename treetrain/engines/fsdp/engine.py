@@ -12,7 +12,6 @@ same trees.
 from __future__ import annotations
 
 import math
-import pickle
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from treetrain.attention import TreeAttentionMeta, resolve, tree_forward
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import checkpoint_files as files
 from treetrain.engines.base import (
     LOSS_STAT,
     Engine,
@@ -199,43 +199,42 @@ class FSDPEngine(Engine):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        own = path / f"{self.role}-rank{self.layout.rank}.pt"
-        if not own.exists():
-            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by a different number of ranks")
-        meta = _read(own)
+        own = files.own_file(path, f"{self.role}-rank{self.layout.rank}.pt", "a different number of ranks")
+        meta = files.read(own)
         saved_model = meta.get("model", self.settings.path)  # older checkpoints lack it
         if saved_model != self.settings.path:
             raise EngineConfigError(
                 f"checkpoint {path} was written for model {saved_model!r}, but this run trains "
                 f"{self.settings.path!r}; fix: give this run a new checkpoint.dir (or set model.path back)"
             )
+        files.check_meta(meta, own)
         try:
             if self.layout.world_size > 1:
                 state = self._state()
                 try:
                     dcp_load(state, checkpoint_id=str(path / self.role))
                 except Exception as err:  # DCP wraps every rank's read error in its own exception type
-                    raise CheckpointUnreadableError(f"{path / self.role} cannot be read: {_first_line(err)}") from None
+                    raise CheckpointUnreadableError(
+                        f"{path / self.role} cannot be read: {files.first_line(err)}"
+                    ) from None
             else:
-                state = _read(path / f"{self.role}.pt")
+                state = files.read(path / f"{self.role}.pt")
+                files.check_state(state, path / f"{self.role}.pt", optimizer=self.optimizer is not None)
             if self.optimizer is None:
                 set_model_state_dict(self.model, state["model"])
             else:
                 set_state_dict(
                     self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
                 )
-        except CheckpointUnreadableError:
+        except (CheckpointUnreadableError, EngineConfigError):
             raise
         except (RuntimeError, KeyError, ValueError) as err:
             raise EngineConfigError(
-                f"cannot resume the {self.role} from checkpoint {path}: {_first_line(err)}; fix: give this run a new "
-                "checkpoint.dir if that checkpoint belongs to another model or layout"
+                f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
+                "new checkpoint.dir if that checkpoint belongs to another model or layout"
             ) from None
         self.steps = int(meta["steps"])
-        random.setstate(meta["rng"]["python"])
-        torch.set_rng_state(meta["rng"]["torch"])
-        if meta["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(meta["rng"]["cuda"])
+        files.restore_rng(meta)
         extra: dict[str, Any] = meta["extra"]
         return extra
 
@@ -322,17 +321,3 @@ def grad_norm(params: Iterable[torch.Tensor], *, device: torch.device | None = N
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total.sqrt()
-
-
-@torch.no_grad()
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _read(file: Path) -> Any:
-    """``torch.load`` of a checkpoint file; a torn or truncated one is :class:`CheckpointUnreadableError`."""
-    try:
-        return torch.load(file, weights_only=False)
-    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError) as err:
-        raise CheckpointUnreadableError(f"{file} cannot be read ({_first_line(err)})") from None

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from treetrain.attention import TreeAttentionMeta, resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import checkpoint_files as files
 from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, adamw, check_role
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_model
@@ -407,22 +408,27 @@ class MegatronEngine(Engine):
             dist.barrier()
 
     def load(self, path: Path) -> dict[str, Any]:
-        own = self._own_file(path)
-        if not own.exists():
-            raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by another layout or engine")
-        state = torch.load(own, weights_only=False, map_location=self.layout.device)
-        if state["model_path"] != self.settings.path or state["layout"] != str(self.layout.allocation):
+        own = files.own_file(path, self._own_file(path).name, "another layout or engine")
+        state = files.read(own, map_location=self.layout.device)
+        if state.get("model_path") != self.settings.path or state.get("layout") != str(self.layout.allocation):
             raise EngineConfigError(
-                f"checkpoint {path} was written for {state['model_path']!r} on {state['layout']!r}, but this run "
-                f"trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
+                f"checkpoint {path} was written for {state.get('model_path')!r} on {state.get('layout')!r}, but this "
+                f"run trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
                 "checkpoint.dir (or restore the old settings)"
             )
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and state["optim"] is not None:
-            self.optimizer.load_state_dict(state["optim"])
+        files.check_meta(state, own)
+        files.check_state(state, own, optimizer=self.optimizer is not None)
+        try:
+            self.model.load_state_dict(state["model"])
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(state["optim"])
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise EngineConfigError(
+                f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
+                "new checkpoint.dir if that checkpoint belongs to another model or layout"
+            ) from None
         self.steps = int(state["steps"])
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
+        files.restore_rng(state)
         self._refresh_sampler()
         extra: dict[str, Any] = state["extra"]
         return extra

@@ -1,0 +1,103 @@
+"""Reading an engine's checkpoint files, the same way for every engine: one place decides what
+is *unreadable* (torn by a crash or a full disk: the trainer falls back to an older checkpoint)
+and what is *foreign* (a file of another shape: a one-line error naming it and the fix).
+
+- Unreadable (:class:`CheckpointUnreadableError`): a file ``torch.load`` cannot read (truncated,
+  garbage, empty), a step directory with no files at all, a file holding an empty dict or empty
+  model/optimizer state.
+- Foreign (:class:`EngineConfigError`): a file that loads but is not what an engine writes (a
+  list, a dict without ``steps``, an RNG state this process cannot take).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
+
+
+def first_line(err: BaseException) -> str:
+    """An exception's first line (its type's name when it has no message)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _foreign(file: Path, problem: str) -> EngineConfigError:
+    return EngineConfigError(
+        f"{file} is not a checkpoint file this trainer writes ({problem}); fix: move {file.parent} out of "
+        "checkpoint.dir (the trainer then resumes from the one before) or give this run a new checkpoint.dir"
+    )
+
+
+def own_file(path: Path, name: str, written_by: str) -> Path:
+    """This rank's file ``name`` of the checkpoint ``path``. A directory with no files at all
+    (a save that never wrote anything) is unreadable; one that holds other files but not this
+    one was written by another layout (``written_by`` says which) and is refused."""
+    own = path / name
+    if own.is_file():
+        return own
+    if not any(p.is_file() for p in path.rglob("*")):
+        raise CheckpointUnreadableError(f"{path} is empty (no checkpoint files)")
+    raise FileNotFoundError(f"{own} is missing: checkpoint {path} was written by {written_by}")
+
+
+def read(file: Path, *, map_location: Any = None) -> dict[str, Any]:
+    """``torch.load`` of one checkpoint file, which must hold a non-empty dict: a file that
+    cannot be read, or holds ``{}``, is unreadable; anything but a dict is foreign."""
+    try:
+        data = torch.load(file, weights_only=False, map_location=map_location)
+    except Exception as err:  # torch.load fails in many types (zip, pickle, EOF, decode): all mean torn
+        reason = first_line(err).split(". ")[0]  # torch's zip errors go on for three sentences
+        raise CheckpointUnreadableError(f"{file} cannot be read ({reason})") from None
+    if isinstance(data, dict) and not data:
+        raise CheckpointUnreadableError(f"{file} holds an empty dict")
+    if not isinstance(data, dict):
+        raise _foreign(file, f"it holds a {type(data).__name__}, not a dict")
+    return data
+
+
+def check_state(state: Mapping[str, Any], file: Path, *, optimizer: bool) -> None:
+    """Model (and, for a trained engine, optimizer) state that is missing or empty: unreadable."""
+    for key in ("model", "optim") if optimizer else ("model",):
+        value = state.get(key)
+        if not isinstance(value, Mapping) or not value:
+            raise CheckpointUnreadableError(f"{file} holds no {key} state")
+
+
+def check_meta(meta: Mapping[str, Any], file: Path) -> None:
+    """``steps``, ``extra`` and an RNG state this process can restore, checked before anything
+    is loaded (a foreign value names the file and the key)."""
+    steps = meta.get("steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise _foreign(file, f"'steps' must be an integer >= 0, got {steps!r}")
+    if not isinstance(meta.get("extra"), Mapping):
+        raise _foreign(file, "it has no 'extra' dict")
+    rng = meta.get("rng")
+    if not isinstance(rng, Mapping):
+        raise _foreign(file, "it has no 'rng' state")
+    try:
+        random.Random().setstate(rng["python"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise _foreign(file, f"bad Python RNG state: {first_line(err)}") from None
+    states = [("torch", rng.get("torch"))] + [("cuda", s) for s in rng.get("cuda", [])]
+    for name, state in states:
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+            raise _foreign(file, f"bad {name} RNG state: {type(state).__name__}, not a uint8 tensor")
+    try:
+        torch.Generator().set_state(rng["torch"])
+    except RuntimeError as err:
+        raise _foreign(file, f"bad torch RNG state: {first_line(err)}") from None
+
+
+def restore_rng(meta: Mapping[str, Any]) -> None:
+    """Apply the RNG state :func:`check_meta` checked."""
+    rng = meta["rng"]
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
