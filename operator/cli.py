@@ -60,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="PREFIX",
-        help="run only spec.images that start with PREFIX (repeatable; default: any)",
+        help="run only spec.images under PREFIX, matched by whole path segments (repeatable; default: any)",
+    )
+    o.add_argument(
+        "--allow-server-flag",
+        action="append",
+        default=[],
+        type=_flag_name,
+        metavar="FLAG",
+        help="with allow-lists set, rollout servers take only flags that load no code; also allow FLAG in "
+        "serverArgs (repeatable, e.g. --allow-server-flag=--trust-remote-code)",
     )
     o.add_argument(
         "--bind",
@@ -76,6 +85,12 @@ def _module_name(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a dotted module name (acme.tasks; no ':function')")
     return text
+
+
+def _flag_name(text: str) -> str:
+    if not re.fullmatch(r"--?[A-Za-z0-9][-A-Za-z0-9_]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a server flag name (--trust-remote-code; no '=VALUE')")
+    return text if not text.startswith("--") else "--" + text[2:].replace("_", "-")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,6 +195,7 @@ def _operator(args: argparse.Namespace) -> int:
             max_pods=args.max_pods_per_rljob,
             task_modules=tuple(args.allow_task_module),
             image_prefixes=tuple(args.allow_image_prefix),
+            server_flags=tuple(args.allow_server_flag),
         ),
     )
     return code

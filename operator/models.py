@@ -36,7 +36,7 @@ Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True)
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rljob_operator import admission
 from rljob_operator.models import GROUP, KIND, RESERVED_ENGINE_NAMES, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
 from rljob_operator.servers import multi_node_command, server_argv, server_env, vllm_weight_sync
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
@@ -33,7 +34,9 @@ LABEL_RLJOB = f"{GROUP}/rljob"
 LABEL_COMPONENT = f"{GROUP}/component"
 LABEL_ENGINE = f"{GROUP}/engine"
 LABEL_RESTART = f"{GROUP}/restart"
-MAX_NAME_LENGTH = 30  # leaves room for "-rollout-<engine>" and StatefulSet revision hashes
+# A ceiling only: admission.child_problems checks every name and label value the children, and the
+# pods their controllers create, would carry (a long engine name can pass 63 with a short RLJob name).
+MAX_NAME_LENGTH = 30
 CONFIG_PATH = "/etc/treetrain/config.yaml"
 CHECKPOINT_DIR = "/checkpoints"
 MODEL_DIR = "/models"
@@ -163,12 +166,15 @@ class Limits:
     """What the cluster admin allows per RLJob. Ceilings (chart values ``limits.*``): one RLJob
     that asks for a million servers must not take the operator, or the controller-manager, down.
     Allow-lists (``admission.*``; empty allows any): whoever creates an RLJob picks the images
-    its pods run and the task module its trainer imports, so a shared cluster can pin both."""
+    its pods run and the task module its trainer imports, so a shared cluster can pin both; with
+    either list set, rollout servers also take only flags that load no code (``server_flags``
+    adds more)."""
 
     max_gpus: int = 4096
     max_pods: int = 1024
     task_modules: tuple[str, ...] = ()  # a package allows its submodules too; builtin: tasks always pass
-    image_prefixes: tuple[str, ...] = ()
+    image_prefixes: tuple[str, ...] = ()  # whole path segments: ghcr.io/acme never admits ghcr.io/acmeevil/x
+    server_flags: tuple[str, ...] = ()  # under allow-lists, serverArgs flags allowed besides the safe ones
 
 
 def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
@@ -216,6 +222,9 @@ def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits(
         raise PlanError(errors)
     result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, restart=restart)
     objects = _objects(result, restart=restart)
+    child_errors = _check_children(result, objects)
+    if child_errors:
+        raise PlanError(child_errors)
     uid = metadata.get("uid")
     if uid:
         owner = {
@@ -322,8 +331,11 @@ def task_module_allowed(task: str, allowed: tuple[str, ...]) -> bool:
 
 
 def check_admission(spec: RLJobSpec, config: TrainConfig | None, limits: Limits) -> list[FieldError]:
-    """The operator's allow-lists (``--allow-task-module``, ``--allow-image-prefix``)."""
-    errors: list[FieldError] = []
+    """What the API would refuse in the pod spec, what the servers would execute (a model path
+    that is a flag or leaves its volume; under allow-lists, server flags that load code), and
+    the operator's allow-lists (``--allow-task-module``, ``--allow-image-prefix``,
+    ``--allow-server-flag``). Child names are checked on the rendered objects (:func:`plan`)."""
+    errors = [FieldError(path, message) for path, message in _spec_problems(spec, limits)]
     if config is not None and not task_module_allowed(config.trainer.task, limits.task_modules):
         errors.append(
             FieldError(
@@ -335,16 +347,58 @@ def check_admission(spec: RLJobSpec, config: TrainConfig | None, limits: Limits)
         )
     if limits.image_prefixes:
         for key, image in (("trainer", spec.images.trainer), ("rollout", spec.images.rollout)):
-            if not image.startswith(limits.image_prefixes):
+            if not admission.image_allowed(image, limits.image_prefixes):
                 errors.append(
                     FieldError(
                         f"spec.images.{key}",
-                        f"{image!r} is not allowed by this operator, which runs only images starting with "
-                        f"{' or '.join(limits.image_prefixes)}; use one of those, or ask the cluster admin to add "
-                        "a prefix to the chart's admission.allowedImagePrefixes",
+                        f"{image!r} is not allowed by this operator, which runs only images under "
+                        f"{' or '.join(limits.image_prefixes)} (whole path segments); use one of those, or ask the "
+                        "cluster admin to add a prefix to the chart's admission.allowedImagePrefixes",
                     )
                 )
     return errors
+
+
+def _spec_problems(spec: RLJobSpec, limits: Limits) -> list[admission.Problem]:
+    s = spec.scheduling
+    found = admission.scheduling_problems(
+        node_selector=s.node_selector,
+        tolerations=s.tolerations,
+        priority_class=s.priority_class_name,
+        queue=s.queue_name,
+    )
+    if why := admission.extended_resource_problem(spec.gpu_resource_name):
+        found.append(("spec.gpuResourceName", f"{spec.gpu_resource_name!r} {why}"))
+    for path, volume in (("spec.model.volume", spec.model.volume), ("spec.checkpoint.volume", spec.checkpoint.volume)):
+        if volume is not None and (why := admission.subdomain_problem(volume.claim_name)):
+            found.append((f"{path}.claimName", f"{volume.claim_name!r} {why} (the name of a PersistentVolumeClaim)"))
+    found += admission.model_path_problems(spec.model.path, volume=spec.model.volume is not None)
+    if limits.task_modules or limits.image_prefixes or limits.server_flags:
+        engines = [("spec.rollout", spec.rollout), *((f"spec.additionalRollouts[{i}]", e)
+                                                     for i, e in enumerate(spec.additional_rollouts))]  # fmt: skip
+        for path, engine in engines:
+            backend = engine.backend.partition(":")[0].strip()
+            found += admission.server_flag_problems(
+                f"{path}.serverArgs", backend, engine.server_args, allowed=frozenset(limits.server_flags)
+            )
+    return found
+
+
+def _check_children(plan: Plan, objects: list[dict[str, Any]]) -> list[FieldError]:
+    """Every child name and label value, with the field that makes it and how much to cut."""
+    blame: dict[str, tuple[str, str]] = {}
+    for i, engine in enumerate(plan.spec.additional_rollouts):
+        blame[rollout_name(plan, f"rollout-{engine.name}")] = (
+            f"spec.additionalRollouts[{i}].name",
+            f"shorten the engine name {engine.name!r} (or metadata.name)",
+        )
+    worst: dict[str, str] = {}
+    last = plan.spec.max_restarts
+    for comp in plan.components.values():
+        if comp.role != "rollout" and comp.colocated_with is None:
+            worst[trainer_job_name(plan, comp.role, plan.restart)] = trainer_job_name(plan, comp.role, max(last, 1))
+    problems = admission.child_problems(objects, blame=blame, worst_job_names=worst)
+    return [FieldError(path, message) for path, message in problems]
 
 
 def _config_problem(problem: tuple[str, str]) -> FieldError:

