@@ -28,7 +28,7 @@ from rljob_operator.kube import Conflict, Kube, NotOurs, stamped, unchanged
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY, Limits
-from rljob_operator.reconcile import Decision, Observed, decide, set_condition
+from rljob_operator.reconcile import Decision, Observed, controlled_by, decide, owned, set_condition
 
 log = logging.getLogger("rljob_operator")
 
@@ -200,16 +200,17 @@ class Controller:
         else:
             lists = [self._io.submit(self.kube.children, kind, namespace, name) for kind in CHILD_KINDS]
             children = dict(zip(CHILD_KINDS, (f.result() for f in lists), strict=True))
-        observed = Observed(
-            jobs=children["Job"],
-            statefulsets=children["StatefulSet"],
-            pods=children["Pod"],
-            services=children["Service"],
-        )
+        # Only what this RLJob controls (its uid in the controller ownerReference): the labels
+        # listed by can be on anything, and nothing else may be deleted, updated or read as state.
+        observed = owned(rljob, Observed(jobs=children["Job"], statefulsets=children["StatefulSet"],
+                                         pods=children["Pod"], services=children["Service"],
+                                         configmaps=children["ConfigMap"]))  # fmt: skip
         # The applied children as they are, to skip applying those that already match.
         live = {
             (o["kind"], o["metadata"]["name"]): o
-            for o in (*children["StatefulSet"], *children["ConfigMap"], *children["Service"])
+            for kind in ("Job", "StatefulSet", "ConfigMap", "Service")
+            for o in children[kind]
+            if controlled_by(o, rljob["metadata"].get("uid"))
         }
         decision = decide(rljob, observed, datetime.now(UTC), self.limits)
         if decision.delete_self:
@@ -248,15 +249,26 @@ class Controller:
         self, rljob: dict[str, Any], decision: Decision, live: Mapping[tuple[str, str], dict[str, Any]]
     ) -> None:
         namespace = rljob["metadata"]["namespace"]
-        for kind, child in decision.delete:
-            self.kube.delete(kind, namespace, child)
+
+        def look(o: dict[str, Any]) -> dict[str, Any] | None:
+            return live.get((o["kind"], o["metadata"]["name"]))
+
+        def apply(o: dict[str, Any]) -> dict[str, Any]:
+            return self.kube.apply(o, look(o))  # ownership re-checked when it is missing or replaced
+
+        # The record of a restart or a finish first: written before the failed Job is deleted.
+        for obj in (stamped(o) for o in decision.remember):
+            if not unchanged(obj, look(obj)):
+                self._write(apply, obj)
+        for kind, child in decision.delete:  # only the object listed (its uid), never a successor
+            self.kube.delete(kind, namespace, child, ((live.get((kind, child)) or {}).get("metadata") or {}).get("uid"))
         # A child that already is what the apply would make it costs no request (a steady
         # state sent one PATCH per child per pass before).
         applies = [stamped(o) for o in decision.apply]
-        applies = [o for o in applies if not unchanged(o, live.get((o["kind"], o["metadata"]["name"])))]
+        applies = [o for o in applies if not unchanged(o, look(o))]
         # The applies are independent of each other: in parallel (one round trip, not four). The
         # Jobs come after them, so their pods find the ConfigMap and Services in place.
-        pending = [self._io.submit(self._write, self.kube.apply, o) for o in applies]
+        pending = [self._io.submit(self._write, apply, o) for o in applies]
         futures.wait(pending)
         for done in pending:
             done.result()  # the first refusal (or error), after every apply has ended

@@ -50,6 +50,10 @@ class Conflict(Exception):
     """The API server answered 409 (a concurrent writer); retry later."""
 
 
+class _Replaced(Exception):
+    """A forced apply's uid precondition failed: the object checked is gone or was replaced."""
+
+
 class NotOurs(Exception):
     """A child's name is taken by an object this RLJob did not create."""
 
@@ -81,6 +85,11 @@ def unchanged(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
     want = desired["metadata"]["annotations"][APPLIED_HASH]
     have = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH)
     return bool(have == want and _owner_uid(live) == _owner_uid(desired))
+
+
+def _uid(obj: dict[str, Any] | None) -> str | None:
+    uid = ((obj or {}).get("metadata") or {}).get("uid")
+    return str(uid) if uid else None
 
 
 def _owner_uid(obj: dict[str, Any]) -> str | None:
@@ -125,7 +134,8 @@ class Kube:
         self.client = client
         self.in_cluster = in_cluster  # in a pod, kopf reads the (rotating) ServiceAccount token itself
         self.on_request: OnRequest = on_request or (lambda verb, resource, code: None)
-        self._ours: set[tuple[str, str, str, str | None]] = set()  # (kind, ns, name, owner uid) checked
+        # (kind, ns, name) -> (owner uid, object uid) of the children whose ownership was checked
+        self._checked: dict[tuple[str, str, str], tuple[str | None, str]] = {}
 
     def credentials(self) -> Credentials:
         c = self.client.configuration
@@ -207,34 +217,93 @@ class Kube:
 
     # -- writes ----------------------------------------------------------------
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, obj: dict[str, Any], live: dict[str, Any] | None = None) -> dict[str, Any]:
         """Server-side apply: creates or updates, one field manager, idempotent; but never an
         object someone else made. A forced apply would take over an existing ``app-config``
         ConfigMap, give it this RLJob as owner, and the garbage collector would delete it with
         the RLJob: an object of that name that this RLJob does not own is :class:`NotOurs`.
-        Ownership is checked once per object (then remembered), so a steady state costs one
-        request per child."""
+
+        ``live`` is the object as the caller listed it among this RLJob's children (None: not
+        among them). Ownership is checked (one GET) the first time, and again whenever ``live``
+        is missing or its uid is not the one checked: a ConfigMap deleted and created again by
+        someone else (``kubectl replace --force``) is a new object. The forced apply carries the
+        checked uid, a precondition the API server enforces, so an object replaced between the
+        check and the write is refused, never taken over. An object that does not exist is
+        created by an apply without force (a foreign one made meanwhile conflicts instead of
+        being taken). A steady state costs one request per changed child."""
         meta = obj["metadata"]
-        key = (obj["kind"], meta["namespace"], meta["name"], _owner_uid(obj))
-        if key not in self._ours:
-            current = self.get(obj["kind"], meta["namespace"], meta["name"])
-            if current is not None and _owner_uid(current) != key[3]:
-                raise NotOurs(obj["kind"], meta["name"], _owner_uid(current))
-            if len(self._ours) >= MAX_REMEMBERED_OWNERS:
-                self._ours.clear()
-            self._ours.add(key)
-        # Serialised here as UTF-8 JSON (valid YAML): the client's own json.dumps escapes non-ASCII
-        # as \uXXXX surrogate pairs, which the API server's YAML reader refuses (an emoji in
-        # model.path answered 400 on every pass).
-        result: dict[str, Any] = self._call(
-            "apply",
-            obj["kind"],
-            "PATCH",
-            self._path(obj["kind"], meta["namespace"], meta["name"]),
-            body=json.dumps(obj, ensure_ascii=False).encode(),
-            query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
-            content_type="application/apply-patch+yaml",
-        )
+        key = (obj["kind"], meta["namespace"], meta["name"])
+        owner = _owner_uid(obj)
+        seen = _uid(live) if live is not None and _owner_uid(live) == owner else None
+        if seen is not None and self._checked.get(key) == (owner, seen):
+            try:
+                return self._apply(obj, seen)
+            except _Replaced:
+                self._checked.pop(key, None)  # replaced since it was listed: check again
+        uid = self._check(obj)
+        if uid is None:
+            try:
+                result = self._apply(obj, None)
+            except Conflict:
+                uid = self._check(obj)  # created meanwhile: NotOurs unless it is ours
+                if uid is None:
+                    raise
+            else:
+                self._remember(key, owner, _uid(result))
+                return result
+        self._remember(key, owner, uid)
+        try:
+            return self._apply(obj, uid)
+        except _Replaced:
+            self._checked.pop(key, None)
+            replaced = f"{obj['kind']} {meta['name']} was replaced while it was applied; checked again next pass"
+            raise Conflict(replaced) from None
+
+    def _check(self, obj: dict[str, Any]) -> str | None:
+        """The uid of the live object of ``obj``'s name if this RLJob owns it, None if there is
+        none; :class:`NotOurs` if it belongs to someone else."""
+        meta = obj["metadata"]
+        current = self.get(obj["kind"], meta["namespace"], meta["name"])
+        if current is None:
+            return None
+        if _owner_uid(current) != _owner_uid(obj):
+            raise NotOurs(obj["kind"], meta["name"], _owner_uid(current))
+        return _uid(current)
+
+    def _remember(self, key: tuple[str, str, str], owner: str | None, uid: str | None) -> None:
+        if len(self._checked) >= MAX_REMEMBERED_OWNERS:
+            self._checked.clear()
+        if uid:
+            self._checked[key] = (owner, uid)
+
+    def _apply(self, obj: dict[str, Any], uid: str | None) -> dict[str, Any]:
+        """One apply request: forced onto the object with ``uid`` (the API server refuses it if
+        that object is gone or was replaced: :class:`_Replaced`), or, with no uid, an unforced
+        one that creates the object."""
+        meta = obj["metadata"]
+        body = {**obj, "metadata": {**meta, "uid": uid}} if uid else obj
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")] if uid else [("fieldManager", FIELD_MANAGER)]
+        try:
+            # Serialised here as UTF-8 JSON (valid YAML): the client's own json.dumps escapes non-ASCII
+            # as \uXXXX surrogate pairs, which the API server's YAML reader refuses (an emoji in
+            # model.path answered 400 on every pass).
+            result: dict[str, Any] = self._call(
+                "apply",
+                obj["kind"],
+                "PATCH",
+                self._path(obj["kind"], meta["namespace"], meta["name"]),
+                body=json.dumps(body, ensure_ascii=False).encode(),
+                query=query,
+                content_type="application/apply-patch+yaml",
+            )
+        except Conflict:
+            if uid:
+                raise _Replaced from None  # "uid mismatch": no object of that name any more
+            raise
+        except ApiException as exc:
+            if uid and exc.status == 422 and "metadata.uid" in str(exc.body):
+                raise _Replaced from None  # another object now has that name
+            raise
         return result
 
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
@@ -247,11 +316,18 @@ class Kube:
             return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
         return True
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        """Delete the object; with ``uid``, only that object (a precondition the API server
+        checks): one that replaced it under the same name, someone else's, is left alone."""
         # Background propagation: the garbage collector removes the pods.
-        body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
         try:
             self._call("delete", kind, "DELETE", self._path(kind, namespace, name), body=body)
+        except Conflict:
+            if not uid:
+                raise  # the precondition failed: not the object that was meant, nothing deleted
         except ApiException as exc:
             if exc.status != 404:
                 raise

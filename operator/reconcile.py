@@ -5,11 +5,30 @@ returns what to create or update, what to delete, the new status and the events 
 post. The kopf handlers only gather ``observed``, carry out the decision and patch the
 status when it changed.
 
+Ownership: only children that this RLJob controls count, those whose controller
+ownerReference carries the RLJob's uid (:func:`owned`). An object that merely carries the
+operator's labels, or has the name of a child, is never deleted, updated or read as state.
+
 Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
 ``NAME-trainer`` (n = 0) or ``NAME-trainer-rN``. When any of its pods fails, the
-restart count in the status goes up first, then the old Job is deleted and, after an
-exponential backoff, the next one is created; the trainer resumes from the latest
-checkpoint. After ``maxRestarts`` the RLJob fails.
+restart is recorded first, then the old Job is deleted and, after an exponential
+backoff, the next one is created; the trainer resumes from the latest checkpoint.
+After ``maxRestarts`` the RLJob fails.
+
+The status is an output, never an input: anyone allowed to patch ``rljobs/status`` could
+write ``phase: Succeeded`` (the rollout servers would be torn down) or ``restarts: 2`` (a
+healthy trainer Job would be replaced). Each pass derives it from the world:
+
+- the restart count is that of the newest trainer gang whose Jobs exist and have not
+  failed (their ``treetrain.dev/restart`` label); with none (between a failure and the next
+  gang, during the backoff), the count the operator recorded, or the newest failed gang's;
+- what must outlive the Jobs is recorded in the ``treetrain.dev/state`` annotation of the
+  ConfigMap ``NAME-config``, an owned child that only the operator writes (:class:`Memory`):
+  the restart count and time (the backoff's clock), and once the RLJob finished, its phase,
+  time (the TTL's clock) and message. A recorded restart count that a live, healthy gang
+  contradicts loses to the gang. The record is written before the failed Job is deleted.
+
+Deleting every child by hand forgets it all: the RLJob then starts over from restart 0.
 
 Spec changes while the trainer runs: rollout servers, Services and the ConfigMap follow
 the spec at once, a removed engine's servers are deleted. A Job's pod template is
@@ -21,11 +40,11 @@ keeps reporting the running Job's allocation and ``SpecChangePending`` says what
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rljob_operator.models import MAX_TTL_SECONDS, ComponentStatus, RLJobStatus
+from rljob_operator.models import GROUP, MAX_TTL_SECONDS, ComponentStatus, RLJobStatus
 from rljob_operator.plan import (
     ANNOTATION_ALLOCATION,
     ANNOTATION_TEMPLATE_HASH,
@@ -40,6 +59,9 @@ from rljob_operator.plan import (
 )
 
 BACKOFF_MAX_SECONDS = 300.0
+# On the ConfigMap NAME-config: what the operator remembers across passes (see the module doc).
+ANNOTATION_STATE = f"{GROUP}/state"
+MAX_MEMORY_MESSAGE = 512
 WORKLOAD_KINDS = ("Job", "StatefulSet")
 TRAINER_ROLES = ("actor", "critic", "ref")
 
@@ -52,17 +74,79 @@ class Observed:
     statefulsets: list[dict[str, Any]] = field(default_factory=list)
     pods: list[dict[str, Any]] = field(default_factory=list)
     services: list[dict[str, Any]] = field(default_factory=list)
+    configmaps: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
 class Decision:
     status: dict[str, Any]
+    # Applied before anything is deleted: the ConfigMap carrying the operator's record (a restart,
+    # a finish), so a pass that dies after deleting the failed Job still has the restart counted.
+    remember: list[dict[str, Any]] = field(default_factory=list)
     apply: list[dict[str, Any]] = field(default_factory=list)
     create_only: list[dict[str, Any]] = field(default_factory=list)  # Jobs: their pod template is immutable
     delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
     delete_self: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     requeue_after: float | None = None
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the operator recorded on its ConfigMap (:data:`ANNOTATION_STATE`)."""
+
+    restarts: int = 0
+    last_restart: str | None = None  # when the last restart was decided: the backoff's clock
+    finished: str | None = None  # "Succeeded" or "Failed" once the RLJob finished
+    finished_at: str | None = None  # the TTL's clock
+    message: str = ""
+
+    def annotation(self) -> str:
+        body = {"restarts": self.restarts, "lastRestart": self.last_restart, "finished": self.finished,
+                "finishedAt": self.finished_at, "message": self.message[:MAX_MEMORY_MESSAGE] or None}  # fmt: skip
+        return json.dumps({k: v for k, v in body.items() if v is not None}, sort_keys=True, separators=(",", ":"))
+
+
+def read_memory(configmap: dict[str, Any] | None) -> Memory:
+    """The record on ``configmap``; one that is missing or unreadable counts as empty."""
+    try:
+        note = json.loads(_annotations(configmap).get(ANNOTATION_STATE) or "{}")
+        restarts = int(note.get("restarts", 0))
+        finished = note.get("finished")
+        last, done = note.get("lastRestart"), note.get("finishedAt")
+        parse_time(last), parse_time(done)  # a time that does not parse makes the whole record void
+    except (ValueError, TypeError, AttributeError):
+        return Memory()
+    return Memory(
+        restarts=max(restarts, 0),
+        last_restart=last,
+        finished=finished if finished in ("Succeeded", "Failed") else None,
+        finished_at=done,
+        message=str(note.get("message") or ""),
+    )
+
+
+def controlled_by(obj: dict[str, Any], uid: str | None) -> bool:
+    """Whether ``obj``'s controller ownerReference names the object with ``uid``."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return bool(uid) and any(r.get("controller") and r.get("uid") == uid for r in refs)
+
+
+def owned(rljob: dict[str, Any], observed: Observed) -> Observed:
+    """The children this RLJob controls: labels alone make nothing a child (anyone can set them).
+    Pods are owned by the Jobs and StatefulSets, so they are kept as listed."""
+    uid = (rljob.get("metadata") or {}).get("uid")
+
+    def mine(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [o for o in objects if controlled_by(o, uid)]
+
+    return Observed(
+        jobs=mine(observed.jobs),
+        statefulsets=mine(observed.statefulsets),
+        pods=observed.pods,
+        services=mine(observed.services),
+        configmaps=mine(observed.configmaps),
+    )
 
 
 def timestamp(now: datetime) -> str:
@@ -115,6 +199,7 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:
 
 
 def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Limits = Limits()) -> Decision:  # noqa: B008
+    observed = owned(rljob, observed)
     old = RLJobStatus.model_validate(rljob.get("status") or {}).model_dump(by_alias=True, exclude_none=True)
     status: dict[str, Any] = {**old, "conditions": [dict(c) for c in old.get("conditions", [])]}
     generation = (rljob.get("metadata") or {}).get("generation")
@@ -122,14 +207,22 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
     cond = _Conditions(status, now, generation)
     spec = rljob.get("spec") or {}
     decision = Decision(status=status)
+    config_name = f"{(rljob.get('metadata') or {}).get('name')}-config"
+    memory = read_memory(next((c for c in observed.configmaps if c["metadata"]["name"] == config_name), None))
 
-    # A finished RLJob stays finished; only its TTL and rollout teardown remain.
-    if old.get("phase") in ("Succeeded", "Failed") and not _invalid(old):
+    # A finished RLJob stays finished (as recorded, whatever the status says); only its TTL and
+    # rollout teardown remain.
+    if memory.finished:
+        status.update(phase=memory.finished, restarts=memory.restarts)
+        _set_or_drop(status, "completionTime", memory.finished_at)
+        _set_or_drop(status, "lastRestartTime", memory.last_restart)
+        if old.get("phase") != memory.finished:
+            status["message"] = memory.message or memory.finished.lower()
         _finish(decision, observed, now, spec)
         return _with_events(decision, old)
 
+    restarts = _restarts(memory, observed)
     try:
-        restarts = int(old.get("restarts", 0))
         desired = plan(rljob, restart=restarts, limits=limits)
     except PlanError as err:
         cond.set("Valid", False, "InvalidSpec", str(err))
@@ -137,6 +230,10 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
         cond.set("Running", False, "InvalidSpec", "no pods are created for an invalid spec")
         decision.delete = [(o["kind"], o["metadata"]["name"]) for o in (*observed.jobs, *observed.statefulsets)]
         return _with_events(decision, old)
+    memory = replace(memory, restarts=restarts)
+    status["restarts"] = restarts
+    _set_or_drop(status, "lastRestartTime", memory.last_restart if restarts else None)
+    status.pop("completionTime", None)
 
     # exclude_none: the API server drops nulls, so a null here would differ from what is stored
     # and cost a no-op status PATCH on every pass.
@@ -179,10 +276,13 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
     # Trainer finished or failed?
     failure = _trainer_failure(trainers, current, observed.pods, restarts)
     if not failure and current and all(_job_complete(trainers.get(name)) for name in current.values()):
-        status.update(phase="Succeeded", completionTime=timestamp(now), message="trainer completed")
+        done = _completion_time(trainers, current) or timestamp(now)
+        status.update(phase="Succeeded", completionTime=done, message="trainer completed")
         cond.set("Succeeded", True, "TrainerCompleted", "the trainer Job completed")
         cond.set("Running", False, "Completed", "finished")
         cond.set("SpecChangePending", False, "Finished", "")
+        decision.remember = _remembered(desired, replace(memory, finished="Succeeded", finished_at=done,
+                                                         message=status["message"]))  # fmt: skip
         _finish(decision, observed, now, spec)
         return _with_events(decision, old)
     if failure:
@@ -196,6 +296,8 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             cond.set("Failed", True, "TrainerFailed", status["message"])
             cond.set("Running", False, "Failed", "failed")
             cond.set("SpecChangePending", False, "Finished", "")
+            decision.remember = _remembered(desired, replace(memory, finished="Failed", finished_at=timestamp(now),
+                                                             message=status["message"]))  # fmt: skip
             _finish(decision, observed, now, spec)
             return _with_events(decision, old)
         status.update(restarts=restarts + 1, lastRestartTime=timestamp(now), phase="Pending")
@@ -205,14 +307,15 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
         )
         cond.set("Restarting", True, "TrainerFailed", status["message"])
         cond.set("SpecChangePending", False, "Restarting", "the next trainer gang starts from the current spec")
+        decision.remember = _remembered(desired, replace(memory, restarts=restarts + 1, last_restart=timestamp(now)))
         decision.delete += [("Job", name) for name in trainers if ("Job", name) not in decision.delete]
         decision.requeue_after = backoff_seconds(restarts + 1, desired.spec.restart_backoff_seconds)
         return _with_events(decision, old)
 
     # Create or update everything of the current gang at once (rollout servers and trainers).
-    wait = _backoff_left(old, restarts, now, desired.spec.restart_backoff_seconds)
+    wait = _backoff_left(memory, now, desired.spec.restart_backoff_seconds)
     existing = {o["metadata"]["name"] for o in observed.jobs}
-    for obj in desired.objects:
+    for obj in _with_memory(desired.objects, memory):
         if obj["kind"] == "Job":
             # Read before create: a Job that exists is left alone (no POST answered 409 per pass).
             if wait > 0 or obj["metadata"]["name"] in stale or obj["metadata"]["name"] in existing:
@@ -230,6 +333,76 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
 
     _observe_pods(desired, observed, status, cond, restarts, now)
     return _with_events(decision, old)
+
+
+def _set_or_drop(status: dict[str, Any], key: str, value: Any) -> None:
+    if value is None:
+        status.pop(key, None)
+    else:
+        status[key] = value
+
+
+def _restart_of(obj: dict[str, Any]) -> int | None:
+    try:
+        return int(((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_RESTART, ""))
+    except ValueError:
+        return None
+
+
+def _restarts(memory: Memory, observed: Observed) -> int:
+    """The trainer gang's restart count, from the world: the newest gang whose Jobs exist and
+    have not failed; with none, the recorded count or the newest failed gang's, whichever is newer."""
+    gangs: dict[int, bool] = {}  # restart -> healthy
+    for job in observed.jobs:
+        n = _restart_of(job)
+        if _component(job) not in TRAINER_ROLES or n is None:
+            continue
+        ok = not (job.get("metadata") or {}).get("deletionTimestamp") and _job_condition(job, "Failed") is None
+        gangs[n] = gangs.get(n, True) and ok
+    for pod in observed.pods:
+        n = _restart_of(pod)
+        if n in gangs and _component(pod) in TRAINER_ROLES and (pod.get("status") or {}).get("phase") == "Failed":
+            gangs[n] = False
+    healthy = [n for n, ok in gangs.items() if ok]
+    if healthy:
+        return max(healthy)
+    return max([memory.restarts, *gangs])
+
+
+def _with_memory(objects: list[dict[str, Any]], memory: Memory) -> list[dict[str, Any]]:
+    """``objects`` with the record on the trainer ConfigMap (every apply carries it, or server-side
+    apply would drop it)."""
+    out = []
+    for obj in objects:
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].endswith("-config"):
+            meta = obj["metadata"]
+            obj = {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
+                                                               ANNOTATION_STATE: memory.annotation()}}}  # fmt: skip
+        out.append(obj)
+    return out
+
+
+def _remembered(desired: Plan, memory: Memory) -> list[dict[str, Any]]:
+    return [o for o in _with_memory(desired.objects, memory) if ANNOTATION_STATE in _annotations(o)]
+
+
+def _completion_time(trainers: dict[str, dict[str, Any]], current: dict[str, str]) -> str | None:
+    """When the last of the current trainer Jobs completed, as the Job controller recorded it."""
+    times = [(trainers.get(name) or {}).get("status", {}).get("completionTime") for name in current.values()]
+    known = [t for t in (_whole_seconds(t) for t in times) if t]
+    return max(known) if known and len(known) == len(times) else None
+
+
+def _whole_seconds(text: Any) -> str | None:
+    """``text`` as an RFC 3339 time in whole seconds (UTC), or None when it is not one."""
+    if not isinstance(text, str):
+        return None
+    whole: str = text.split(".")[0].rstrip("Z") + "Z"
+    try:
+        parse_time(whole)
+    except ValueError:
+        return None
+    return whole
 
 
 # ---------------------------------------------------------------------------
@@ -304,11 +477,13 @@ def _pod_reason(pod: dict[str, Any]) -> str:
     return str(status.get("reason") or status.get("message") or "Failed")
 
 
-def _backoff_left(old: dict[str, Any], restarts: int, now: datetime, base: float) -> float:
-    last = parse_time(old.get("lastRestartTime"))
-    if restarts == 0 or last is None:
+def _backoff_left(memory: Memory, now: datetime, base: float) -> float:
+    last = parse_time(memory.last_restart)
+    if memory.restarts == 0 or last is None:
         return 0.0
-    return max(0.0, (last + timedelta(seconds=backoff_seconds(restarts, base)) - now).total_seconds())
+    delay = backoff_seconds(memory.restarts, base)
+    # A clock that ran backwards (or a record from the future) never waits longer than the backoff.
+    return min(delay, max(0.0, (last + timedelta(seconds=delay) - now).total_seconds()))
 
 
 def _finish(decision: Decision, observed: Observed, now: datetime, spec: dict[str, Any]) -> None:

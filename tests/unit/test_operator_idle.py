@@ -52,7 +52,7 @@ class _MemoryKube:
         return [copy.deepcopy(o) for (k, _), o in self.objects.items()
                 if k == kind and o["metadata"].get("labels", {}).get(LABEL_RLJOB) == rljob]  # fmt: skip
 
-    def apply(self, obj: dict[str, Any]) -> None:
+    def apply(self, obj: dict[str, Any], live: dict[str, Any] | None = None) -> None:
         self.requests["apply"] += 1
         self.applied.append((obj["kind"], obj["metadata"]["name"]))
         self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
@@ -61,7 +61,7 @@ class _MemoryKube:
         self.requests["create"] += 1
         return self.objects.setdefault((obj["kind"], obj["metadata"]["name"]), copy.deepcopy(obj)) is obj
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         self.requests["delete"] += 1
         self.objects.pop((kind, name), None)
 

@@ -117,7 +117,7 @@ class _FakeKube:
             else:
                 status[key] = value
 
-    def apply(self, obj: dict[str, Any]) -> None:
+    def apply(self, obj: dict[str, Any], live: dict[str, Any] | None = None) -> None:
         if self.refuse is not None:
             body = json.dumps({"message": f'{obj["kind"]} "{obj["metadata"]["name"]}" is invalid: data: bad bytes'})
             raise ApiException(status=self.refuse, reason="Bad Request", body=body)
@@ -126,7 +126,7 @@ class _FakeKube:
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
         return True
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         pass
 
     def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rljob_operator.handlers import merge_patch
-from rljob_operator.reconcile import Observed, backoff_seconds, decide, set_condition
+from rljob_operator.reconcile import Decision, Observed, backoff_seconds, decide, set_condition
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
@@ -46,10 +46,26 @@ def pod(name: str, component: str, *, phase: str = "Running", restart: int = 0, 
     return {"kind": "Pod", "metadata": {"name": name, "labels": labels}, "spec": spec, "status": status}
 
 
-def job(name: str, condition: str | None = None) -> dict[str, Any]:
-    labels = {"treetrain.dev/rljob": "demo", "treetrain.dev/component": "actor"}
+OWNER = [{"apiVersion": "treetrain.dev/v1alpha1", "kind": "RLJob", "name": "demo", "uid": "u", "controller": True}]
+
+
+def child(kind: str, name: str, labels: dict[str, str] | None = None, *, owner: str | None = "u") -> dict[str, Any]:
+    """A child as the API server lists it; ``owner`` is the uid in its controller ownerReference."""
+    refs = [{**OWNER[0], "uid": owner}] if owner else []
+    return {"kind": kind, "metadata": {"name": name, "labels": labels or {}, "ownerReferences": refs}}
+
+
+def job(name: str, condition: str | None = None, *, owner: str | None = "u") -> dict[str, Any]:
+    restart = name.rsplit("-r", 1)[1] if "-trainer-r" in name else "0"
+    labels = {"treetrain.dev/rljob": "demo", "treetrain.dev/component": "actor", "treetrain.dev/restart": restart}
     status = {"conditions": [{"type": condition, "status": "True", "reason": "X"}]} if condition else {}
-    return {"kind": "Job", "metadata": {"name": name, "labels": labels}, "status": status}
+    return {**child("Job", name, labels, owner=owner), "status": status}
+
+
+def recorded(d: Decision) -> list[dict[str, Any]]:
+    """The ConfigMaps a decision wrote, as the next pass lists them (its record of restarts, finishes)."""
+    written = {o["metadata"]["name"]: o for o in (*d.apply, *d.remember) if o["kind"] == "ConfigMap"}
+    return list(written.values())
 
 
 def running_pods(restart: int = 0) -> list[dict[str, Any]]:
@@ -106,10 +122,13 @@ def test_trainer_failure_restarts_with_backoff() -> None:
     assert cond(d.status, "Restarting")["status"] == "True"
 
     # During the backoff the next Job is not created yet ...
-    soon = decide(rljob(status=d.status), Observed(pods=running_pods()[:2]), NOW + timedelta(seconds=4))
+    # The restart is recorded on the ConfigMap, written before the failed Job is deleted.
+    assert recorded(d) == d.remember and not d.apply
+    world = Observed(pods=running_pods()[:2], configmaps=recorded(d))
+    soon = decide(rljob(status=d.status), world, NOW + timedelta(seconds=4))
     assert soon.create_only == [] and soon.requeue_after == 6.0
     # ... afterwards it is, under a new name, resuming from the checkpoint.
-    later = decide(rljob(status=d.status), Observed(pods=running_pods()[:2]), NOW + timedelta(seconds=11))
+    later = decide(rljob(status=d.status), world, NOW + timedelta(seconds=11))
     (new_job,) = later.create_only
     assert new_job["metadata"]["name"] == "demo-trainer-r1"
     env = {e["name"]: e.get("value") for e in new_job["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -131,7 +150,8 @@ def test_checkpoints_without_a_volume_are_said_to_be_ephemeral() -> None:
     restart = decide(rljob(status=running.status), Observed(jobs=[job("demo-trainer")], pods=failed), NOW)
     assert "starting from step 0" in restart.status["message"] and "resum" not in restart.status["message"]
     later = NOW + timedelta(seconds=11)
-    back = decide(rljob(status=restart.status), Observed(jobs=[job("demo-trainer-r1")], pods=running_pods(1)), later)
+    back = decide(rljob(status=restart.status), Observed(jobs=[job("demo-trainer-r1")], pods=running_pods(1),
+                                                         configmaps=recorded(restart)), later)  # fmt: skip
     assert back.status["message"].startswith("3 pods running (restart 1, starting from step 0")
 
     kept = decide(rljob(checkpoint={"volume": {"claimName": "ckpt"}}), Observed(), NOW)
@@ -156,19 +176,27 @@ def test_failed_after_max_restarts() -> None:
 
 
 def test_old_trainer_jobs_are_deleted() -> None:
-    status = {"phase": "Pending", "restarts": 1, "conditions": []}
-    d = decide(rljob(status=status), Observed(jobs=[job("demo-trainer")]), NOW)
+    # Restart 1 was recorded but the failed Job's deletion did not happen (the pass died).
+    first = decide(rljob(), Observed(jobs=[job("demo-trainer", "Failed")]), NOW)
+    assert first.status["restarts"] == 1
+    later = NOW + timedelta(seconds=11)
+    d = decide(rljob(status=first.status), Observed(jobs=[job("demo-trainer", "Failed")],
+                                                    configmaps=recorded(first)), later)  # fmt: skip
     assert ("Job", "demo-trainer") in d.delete
-    assert [o["metadata"]["name"] for o in d.create_only] == ["demo-trainer-r1"]
+    assert [o["metadata"]["name"] for o in d.create_only if o["kind"] == "Job"] == ["demo-trainer-r1"]
 
 
 def test_success_tears_down_rollout_and_honours_ttl() -> None:
-    sts = {"kind": "StatefulSet", "metadata": {"name": "demo-rollout", "labels": {}}}
+    sts = child("StatefulSet", "demo-rollout")
     d = decide(rljob(ttlSecondsAfterFinished=60), Observed(jobs=[job("demo-trainer", "Complete")],
                                                             statefulsets=[sts]), NOW)  # fmt: skip
     assert d.status["phase"] == "Succeeded" and d.status["completionTime"] == "2026-11-29T12:00:00Z"
     assert ("StatefulSet", "demo-rollout") in d.delete and d.requeue_after == 60.0 and not d.delete_self
-    later = decide(rljob(status=d.status, ttlSecondsAfterFinished=60), Observed(), NOW + timedelta(seconds=61))
+    later = decide(
+        rljob(status=d.status, ttlSecondsAfterFinished=60),
+        Observed(configmaps=recorded(d)),
+        NOW + timedelta(seconds=61),
+    )
     assert later.delete_self and later.status["phase"] == "Succeeded"
 
 
@@ -184,7 +212,7 @@ def test_invalid_spec_creates_nothing() -> None:
 
 
 def test_suspend_deletes_workloads_only() -> None:
-    sts = {"kind": "StatefulSet", "metadata": {"name": "demo-rollout", "labels": {}}}
+    sts = child("StatefulSet", "demo-rollout")
     d = decide(rljob(suspend=True), Observed(jobs=[job("demo-trainer")], statefulsets=[sts]), NOW)
     assert sorted(d.delete) == [("Job", "demo-trainer"), ("StatefulSet", "demo-rollout")]
     assert d.apply == [] and d.status["phase"] == "Suspended"
@@ -220,7 +248,11 @@ def test_a_huge_ttl_is_refused_at_admission_and_never_overflows() -> None:
     # One stored before the bound existed is judged at once, never an OverflowError.
     done = decide(rljob(ttlSecondsAfterFinished=60), Observed(jobs=[job("demo-trainer", "Complete")]), NOW)
     for ttl in (10**14, 10**30):
-        later = decide(rljob(status=done.status, ttlSecondsAfterFinished=ttl), Observed(), NOW + timedelta(days=1))
+        later = decide(
+            rljob(status=done.status, ttlSecondsAfterFinished=ttl),
+            Observed(configmaps=recorded(done)),
+            NOW + timedelta(days=1),
+        )
         assert not later.delete_self
 
 
@@ -249,10 +281,10 @@ def test_a_steady_state_sends_nothing() -> None:
 def test_a_rollout_engine_removed_from_the_spec_is_torn_down() -> None:
     # It used to keep running (GPUs held) while the status no longer counted it.
     def sts(name: str) -> dict[str, Any]:
-        return {"kind": "StatefulSet", "metadata": {"name": name, "labels": {"treetrain.dev/component": "rollout"}}}
+        return child("StatefulSet", name, {"treetrain.dev/component": "rollout"})
 
     def svc(name: str) -> dict[str, Any]:
-        return {"kind": "Service", "metadata": {"name": name}}
+        return child("Service", name)
 
     observed = Observed(jobs=[job("demo-trainer")], statefulsets=[sts("demo-rollout"), sts("demo-rollout-small")],
                         pods=running_pods(), services=[svc("demo-rollout"), svc("demo-rollout-small"),
@@ -261,3 +293,79 @@ def test_a_rollout_engine_removed_from_the_spec_is_torn_down() -> None:
     assert ("StatefulSet", "demo-rollout-small") in d.delete and ("Service", "demo-rollout-small") in d.delete
     assert ("StatefulSet", "demo-rollout") not in d.delete and ("Service", "demo-rollout") not in d.delete
     assert ("Service", "demo-trainer") not in d.delete
+
+
+def test_objects_it_does_not_control_are_never_deleted() -> None:
+    """Issue 21 item 4: a StatefulSet, Service and Job carrying only the operator's labels (no
+    ownerReference, or another object's) were deleted as stale or as a removed engine's."""
+    labels = {"app.kubernetes.io/managed-by": "rljob-operator", "treetrain.dev/rljob": "demo",
+              "treetrain.dev/component": "rollout"}  # fmt: skip
+    foreign: list[dict[str, Any]] = []
+    for owner in (None, "someone-else"):
+        foreign += [child("StatefulSet", f"x-{owner}", labels, owner=owner),
+                    child("Service", f"x-{owner}", labels, owner=owner),
+                    job(f"x-{owner}", owner=owner), job(f"demo-trainer-r7-{owner}", "Failed", owner=owner)]  # fmt: skip
+    ours = Observed(jobs=[job("demo-trainer")], pods=running_pods(),
+                    statefulsets=[child("StatefulSet", "demo-rollout")],
+                    services=[child("Service", "demo-rollout"), child("Service", "demo-trainer")])  # fmt: skip
+    world = Observed(
+        jobs=[*ours.jobs, *(o for o in foreign if o["kind"] == "Job")],
+        statefulsets=[*ours.statefulsets, *(o for o in foreign if o["kind"] == "StatefulSet")],
+        pods=ours.pods,
+        services=[*ours.services, *(o for o in foreign if o["kind"] == "Service")],
+    )
+    names = {o["metadata"]["name"] for o in foreign}
+    finished = Observed(**{**world.__dict__, "jobs": [job("demo-trainer", "Complete"), *world.jobs[1:]]})
+    running = decide(rljob(), world, NOW)
+    assert running.status["phase"] == "Running" and running.status["restarts"] == 0
+    for d in (
+        running,
+        decide(rljob(suspend=True), world, NOW),  # suspend deletes the workloads
+        decide(rljob(actor={"backend": "fsdp:d4p2"}), world, NOW),  # an invalid spec deletes them too
+        decide(rljob(), finished, NOW),  # a finished RLJob tears its rollout servers down
+    ):
+        assert not [n for _, n in d.delete if n in names], d.delete
+    # A foreign ConfigMap with a record in it is no record of this RLJob.
+    fake = child("ConfigMap", "demo-config", owner=None)
+    fake["metadata"]["annotations"] = {"treetrain.dev/state": '{"finished":"Succeeded","restarts":3}'}
+    d = decide(rljob(), Observed(**{**ours.__dict__, "configmaps": [fake]}), NOW)
+    assert d.status["phase"] == "Running" and d.status["restarts"] == 0 and not d.delete
+
+
+def test_a_status_patched_to_a_lie_drives_nothing() -> None:
+    """Issue 21 item 10: `phase: Succeeded` tore the rollout servers down while the trainer ran
+    on; `restarts: 2` deleted a healthy trainer Job and started -trainer-r2 from step 0."""
+    world = Observed(jobs=[job("demo-trainer")], pods=running_pods(),
+                     statefulsets=[child("StatefulSet", "demo-rollout")],
+                     services=[child("Service", "demo-rollout"), child("Service", "demo-trainer")])  # fmt: skip
+    truth = decide(rljob(), world, NOW)
+    world.configmaps = recorded(truth)
+    lies = (
+        {"phase": "Succeeded", "completionTime": "2026-11-29T11:00:00Z"},
+        {"phase": "Failed"},
+        {"restarts": 2},
+        {"restarts": 2, "lastRestartTime": "2030-01-01T00:00:00Z"},
+        {"conditions": []},
+    )
+    for lie in lies:
+        d = decide(rljob(status={**truth.status, **lie}, ttlSecondsAfterFinished=0), world, NOW)
+        assert d.delete == [] and not d.delete_self and d.remember == [], lie
+        assert [o for o in d.create_only if o["kind"] == "Job"] == [], lie
+        assert d.status["phase"] == "Running" and d.status["restarts"] == 0, lie
+        assert "completionTime" not in d.status and "lastRestartTime" not in d.status, lie
+    # The operator's own record, edited to claim more restarts than the healthy gang that runs,
+    # loses to that gang.
+    edited = copy.deepcopy(world.configmaps)
+    edited[0]["metadata"]["annotations"]["treetrain.dev/state"] = '{"restarts":2}'
+    d = decide(rljob(status=truth.status), Observed(**{**world.__dict__, "configmaps": edited}), NOW)
+    assert d.delete == [] and not [o for o in d.create_only if o["kind"] == "Job"] and d.status["restarts"] == 0
+
+
+def test_a_finish_is_remembered_whatever_the_status_says() -> None:
+    done = decide(rljob(), Observed(jobs=[job("demo-trainer", "Complete")]), NOW)
+    assert done.status["phase"] == "Succeeded" and recorded(done)
+    # The status patched back to Running, the Job deleted by hand: it stays Succeeded, nothing is created.
+    lie = {**done.status, "phase": "Running"}
+    d = decide(rljob(status=lie), Observed(configmaps=recorded(done)), NOW + timedelta(seconds=5))
+    assert d.status["phase"] == "Succeeded" and d.status["completionTime"] == "2026-11-29T12:00:00Z"
+    assert not [o for o in (*d.create_only, *d.apply) if o["kind"] in ("Job", "StatefulSet")]
