@@ -23,9 +23,12 @@ STEPS_TOTAL = "treetrain_steps_total"
 ROLLOUT_LOGPROB_MISMATCH = "treetrain_rollout_logprob_mismatch"
 LOSS = "treetrain_loss"
 REWARD = "treetrain_reward"
+EPISODES_CAPPED_TOTAL = "treetrain_episodes_capped_total"
 
 # Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
 TOKEN_KINDS = ("original", "tree", "padded")
+# Label values of EPISODES_CAPPED_TOTAL{reason=...}: trainer.maxTurns, trainer.maxEpisodeTokens.
+CAP_REASONS = ("turns", "tokens")
 # Step times range from well under a second (tiny CPU runs) to minutes (large models).
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 DEFAULT_PORT = 9400
@@ -41,6 +44,7 @@ NAMES = (
     STEPS_TOTAL,
     LOSS,
     REWARD,
+    EPISODES_CAPPED_TOTAL,
 )
 
 
@@ -60,6 +64,9 @@ class StepFigures:
     # None when the batch carried no sampler log-probs.
     mismatch_mean: float | None = None
     mismatch_max: float | None = None
+    # Episodes the step's rollouts ended at trainer.maxTurns / before trainer.maxEpisodeTokens.
+    capped_turns: int = 0
+    capped_tokens: int = 0
 
     # Both count original (unpacked) tokens: what the step trained, however well it packed.
     @property
@@ -110,8 +117,16 @@ class TrainerMetrics:
         )
         self.loss = Gauge(LOSS, "Policy loss of the last step.", registry=r)
         self.reward = Gauge(REWARD, "Mean reward of the last step's rollouts.", registry=r)
+        self.episodes_capped = Counter(
+            EPISODES_CAPPED_TOTAL.removesuffix("_total"),
+            "Episodes ended by a cap: reason turns (trainer.maxTurns) or tokens (trainer.maxEpisodeTokens).",
+            ["reason"],
+            registry=r,
+        )
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)  # show every series from the first scrape on
+        for reason in CAP_REASONS:
+            self.episodes_capped.labels(reason=reason)
         self._server: Any = None
 
     def observe_step(self, fig: StepFigures) -> None:
@@ -128,6 +143,8 @@ class TrainerMetrics:
             self.mismatch.labels(stat="max").set(fig.mismatch_max)
         self.loss.set(fig.loss)
         self.reward.set(fig.reward)
+        self.episodes_capped.labels(reason="turns").inc(fig.capped_turns)
+        self.episodes_capped.labels(reason="tokens").inc(fig.capped_tokens)
 
     def serve(self, port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one)."""

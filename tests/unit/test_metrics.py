@@ -20,6 +20,7 @@ CONTRACT_NAMES = {
     "treetrain_steps": "counter",  # treetrain_steps_total
     "treetrain_loss": "gauge",
     "treetrain_reward": "gauge",
+    "treetrain_episodes_capped": "counter",  # treetrain_episodes_capped_total{reason=...}
 }
 
 

@@ -230,6 +230,25 @@ class TrainerSettings(Section):
     normalize_advantages: bool = Field(default=True, description="GRPO: divide by the group's standard deviation.")
     ppo_epochs: int = Field(default=1, ge=1, le=1000, description="Optimizer updates per batch.")
     keep_checkpoints: int = Field(default=3, ge=1, description="Keep the newest N checkpoints.")
+    # Bounds on one episode: user task code that hangs or a conversation that never ends must
+    # not stall the step or grow without limit (each turn's sample holds the whole history).
+    episode_timeout_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Time the task's own code (episode, prompt, respond) may take per episode; past it the step "
+        "fails (exit 2) naming the task.",
+    )
+    max_turns: int = Field(
+        default=32, ge=1, le=65536, description="Turns per episode; an episode still going is ended there (counted)."
+    )
+    max_episode_tokens: int = Field(
+        default=32768,
+        ge=1,
+        le=16_777_216,
+        description="Tokens of one conversation (prompt, replies, user turns); an episode whose next turn could pass "
+        "it is ended (counted).",
+    )
     rollout: SamplingSettings = Field(default_factory=SamplingSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     loss: LossSettings = Field(default_factory=LossSettings)

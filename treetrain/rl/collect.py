@@ -7,16 +7,20 @@ trainer's rank-0 rollout broadcast to every rank, or a client directly).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from treetrain.config import TrainerSettings
 from treetrain.engines.base import TrainBatch
+from treetrain.rl.limits import TaskClock
 from treetrain.rl.losses import group_advantages
 from treetrain.rl.rollout import Generation, SamplingParams
-from treetrain.rl.task import Task
+from treetrain.rl.task import Task, TaskError
+
+_T = TypeVar("_T")
 
 Generate = Callable[[list[list[int]], SamplingParams, int], list[Generation]]
 
@@ -34,6 +38,8 @@ class Rollouts:
     samples: list[Sample]
     rewards: list[float]  # per episode: mean reward over its turns
     groups: list[int]  # per episode: its GRPO group
+    capped_turns: int = 0  # episodes ended at trainer.maxTurns
+    capped_tokens: int = 0  # episodes ended before passing trainer.maxEpisodeTokens
 
     @property
     def mean_reward(self) -> float:
@@ -48,26 +54,47 @@ def seed_of(*parts: int) -> int:
     return x
 
 
-def collect_rollouts(task: Task, generate: Generate, settings: TrainerSettings, step: int) -> Rollouts:
+def collect_rollouts(
+    task: Task, generate: Generate, settings: TrainerSettings, step: int, *, clock: TaskClock | None = None
+) -> Rollouts:
     """Play ``groupsPerStep`` groups of ``groupSize`` episodes to the end, all active episodes
     of a turn in one ``generate`` call; every turn becomes one sample holding the whole
-    conversation so far. A group's episodes share their seed (same prompts, GRPO)."""
+    conversation so far. A group's episodes share their seed (same prompts, GRPO).
+
+    Bounded: the task's code runs under ``clock`` (``trainer.episodeTimeoutSeconds`` per
+    episode; SIGTERM stops it), an episode ends after ``trainer.maxTurns`` turns, or before a
+    turn that could take it past ``trainer.maxEpisodeTokens`` (both counted in the result), and
+    a first prompt with no room for a reply is refused."""
     t = settings
+    clock = clock or TaskClock(t.task, t.episode_timeout_seconds)
     params = SamplingParams(
         max_new_tokens=task.max_new_tokens,
         temperature=t.rollout.temperature,
         top_p=t.rollout.top_p,
         stop_token_ids=tuple(getattr(task, "stop_token_ids", ())),
     )
-    episodes, groups = [], []
-    for g in range(t.groups_per_step):
-        for _ in range(t.group_size):
-            episodes.append(task.episode(seed_of(t.seed, step, g)))
-            groups.append(g)
-    history = [ep.prompt() for ep in episodes]
-    totals = [0.0] * len(episodes)
-    turns = [0] * len(episodes)
-    active = list(range(len(episodes)))
+    n = t.groups_per_step * t.group_size
+    spent = [0.0] * n  # seconds the task's code took per episode
+
+    def call(i: int, what: str, fn: Callable[..., _T], *args: Any) -> _T:
+        result, took = clock.run(f"{what} of episode {i}", spent[i], fn, *args)
+        spent[i] += took
+        return result
+
+    groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
+    episodes = [call(i, "episode()", task.episode, seed_of(t.seed, step, g)) for i, g in enumerate(groups)]
+    history = [list(call(i, "prompt()", ep.prompt)) for i, ep in enumerate(episodes)]
+    for i, prompt in enumerate(history):
+        if len(prompt) + params.max_new_tokens > t.max_episode_tokens:
+            raise TaskError(
+                f"task {t.task}: the first prompt of episode {i} has {len(prompt)} tokens, and a reply of up to "
+                f"{params.max_new_tokens} would pass trainer.maxEpisodeTokens ({t.max_episode_tokens}); fix: raise "
+                "trainer.maxEpisodeTokens or shorten the task's prompt"
+            )
+    totals = [0.0] * n
+    turns = [0] * n
+    capped = {"turns": 0, "tokens": 0}
+    active = list(range(n))
     samples: list[Sample] = []
     turn = 0
     while active:
@@ -76,16 +103,36 @@ def collect_rollouts(task: Task, generate: Generate, settings: TrainerSettings, 
         for i, gen in zip(active, gens, strict=True):
             tokens = history[i] + gen.tokens
             samples.append(Sample(episode=i, tokens=tokens, prompt_len=len(history[i]), behav_logprobs=gen.logprobs))
-            nxt, reward = episodes[i].respond(list(gen.tokens))
+            nxt, reward = call(i, "respond()", episodes[i].respond, list(gen.tokens))
             totals[i] += reward
             turns[i] += 1
-            if nxt is not None:
+            reason = episode_cap(turns[i], len(tokens), nxt, params.max_new_tokens, t.max_turns, t.max_episode_tokens)
+            if reason is not None:
+                capped[reason] += 1
+            elif nxt is not None:
                 history[i] = tokens + list(nxt)
                 still.append(i)
         active = still
         turn += 1
-    rewards = [total / max(n, 1) for total, n in zip(totals, turns, strict=True)]
-    return Rollouts(samples=samples, rewards=rewards, groups=groups)
+    rewards = [total / max(k, 1) for total, k in zip(totals, turns, strict=True)]
+    return Rollouts(
+        samples=samples, rewards=rewards, groups=groups, capped_turns=capped["turns"], capped_tokens=capped["tokens"]
+    )
+
+
+def episode_cap(
+    turns: int, tokens: int, nxt: Sequence[int] | None, max_new_tokens: int, max_turns: int, max_tokens: int
+) -> str | None:
+    """Why an episode that wants another turn (``nxt``, the next user turn) ends here: "turns"
+    (it played ``max_turns``), "tokens" (its ``tokens`` so far, ``nxt`` and a full reply could
+    pass ``max_tokens``), or None (it goes on, or it is over by itself)."""
+    if nxt is None:
+        return None
+    if turns >= max_turns:
+        return "turns"
+    if tokens + len(nxt) + max_new_tokens > max_tokens:
+        return "tokens"
+    return None
 
 
 def make_batch(rollouts: Rollouts, settings: TrainerSettings) -> TrainBatch:

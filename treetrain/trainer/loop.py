@@ -28,6 +28,7 @@ from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.metrics import StepFigures, TrainerMetrics
 from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch
+from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.rollout import (
     Generation,
@@ -110,6 +111,8 @@ class Trainer:
         builtin.local_dir(cfg.model.path, self.log)  # a packaged built-in model: converted once, with progress
         # The task before the model: a task that cannot load fails before minutes of weight loading.
         self.task: Task = load_task(t.task, t.task_args, lambda: builtin.load_tokenizer(cfg.model.path))
+        # The task's own code runs under a per-episode budget, and SIGTERM stops it (treetrain.rl.limits).
+        self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
         tree = cfg.actor.tree_training
         self.actor: Engine = build_engine(cfg.model, cfg.actor.backend, role="actor", tree=tree, optimizer=t.optimizer)
         self.layout = self.actor.layout
@@ -257,7 +260,7 @@ class Trainer:
 
     def collect(self, step: int) -> Rollouts:
         self._resend_if_restarted()
-        rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step)
+        rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock)
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
         return rollouts
@@ -270,6 +273,9 @@ class Trainer:
         if self.ref is not None:
             batch.tensors["ref_logprobs"] = self.ref.forward(batch.sequences)
         extra: dict[str, float] = {}
+        if rollouts.capped_turns or rollouts.capped_tokens:
+            extra["episodes_capped_turns"] = rollouts.capped_turns
+            extra["episodes_capped_tokens"] = rollouts.capped_tokens
         if self.critic is not None:
             extra["value_loss"] = self._train_critic(batch)
         epochs = self.cfg.trainer.ppo_epochs
@@ -309,6 +315,8 @@ class Trainer:
                     reward=record.reward,
                     mismatch_mean=stats.stats.get("behav_mismatch"),
                     mismatch_max=stats.stats.get("behav_mismatch_max"),
+                    capped_turns=rollouts.capped_turns,
+                    capped_tokens=rollouts.capped_tokens,
                 )
             )
         return record
@@ -387,9 +395,24 @@ class Trainer:
             f"rollout {self.client.kind if self.client else 'remote'}"
         )
         interrupted = False
+        last_saved = start  # the step the newest checkpoint holds (resumed from, or written)
         with self._stop_on_sigterm():
             for step in range(start, t.steps):
-                rec = self.train_step(step)
+                try:
+                    rec = self.train_step(step)
+                except TaskInterrupted as err:
+                    # SIGTERM while the task's code hung: that step's rollouts are dropped. The
+                    # weights are still those of the last step trained (rollouts do not change
+                    # them), so keep that one, on one process; ranks of a gang may be at
+                    # different points of the rollout, where a save's barriers would deadlock.
+                    if self.checkpoints.root is not None and step > last_saved and self.layout.world_size == 1:
+                        self.save(step)
+                    self.log(
+                        f"SIGTERM: step {step + 1} abandoned during its rollout ({err}); "
+                        f"checkpoint: {self.checkpoints.latest()}"
+                    )
+                    interrupted = True
+                    break
                 records.append(rec)
                 self.log(format_record(rec, t.steps))
                 saved = False
@@ -398,6 +421,7 @@ class Trainer:
                 ):
                     self.save(rec.step)
                     saved = True
+                    last_saved = rec.step
                 if rec.step < t.steps and self._stop_requested():
                     # Kubernetes sends SIGTERM before it kills a pod: keep the step just trained.
                     if self.checkpoints.root is not None and not saved:
@@ -423,6 +447,7 @@ class Trainer:
 
         def handler(signum: int, frame: Any) -> None:
             self._sigterm = True
+            self.task_clock.stop_soon()  # a task call that hangs is stopped, not waited for
 
         previous = signal.signal(signal.SIGTERM, handler)
         try:
@@ -459,6 +484,12 @@ def format_record(rec: StepRecord, total: int) -> str:
         + (
             f" | logprob mismatch {rec.stats['behav_mismatch']:.2e} (max {rec.stats['behav_mismatch_max']:.2e})"
             if "behav_mismatch_max" in rec.stats
+            else ""
+        )
+        + (
+            f" | episodes capped: {rec.stats['episodes_capped_turns']:.0f} at trainer.maxTurns, "
+            f"{rec.stats['episodes_capped_tokens']:.0f} at trainer.maxEpisodeTokens"
+            if "episodes_capped_turns" in rec.stats
             else ""
         )
     )
