@@ -664,3 +664,59 @@ def test_rljob_operator_command_for_one_namespace(
         output = proc.communicate(timeout=60)[0]
         operator.start()
     assert "Forbidden" not in output and "Traceback" not in output, output[-3000:]
+
+
+def test_the_longest_names_admission_accepts_get_their_pods(
+    cluster: Cluster, namespace: str, operator: RunningOperator
+) -> None:
+    """Issue 21 item 6 on the real controllers: a 30-character RLJob with a 13-character extra engine
+    is the longest admission accepts, and the StatefulSet controller really creates its pods (its
+    ``controller-revision-hash`` label is then exactly 63 characters); one character more is refused
+    with ``Valid=False`` and a message saying what to cut, not left Pending with an empty status."""
+    apps = client.AppsV1Api(cluster.api)
+    longest = "l" * 30
+    create(
+        cluster,
+        namespace,
+        rljob(
+            longest,
+            rollout={"backend": "sglang:d1"},
+            actor={"backend": "fsdp:d1"},
+            additionalRollouts=[{"name": "e" * 13, "backend": "vllm:d1"}],
+        ),
+    )
+    wait_for(f"{longest} Running", phase_is(cluster, namespace, longest, "Running"), timeout=120)
+    sts_name = f"{longest}-rollout-{'e' * 13}"
+    revision = wait_for(
+        "the extra engine's controller revision",
+        lambda: apps.read_namespaced_stateful_set(sts_name, namespace).status.update_revision,
+    )
+    assert len(revision) == 63
+    extra = wait_for(
+        "the extra engine's pod",
+        lambda: [
+            p for p in pods(cluster, namespace, f"treetrain.dev/rljob={longest}") if p.metadata.name == f"{sts_name}-0"
+        ],
+    )
+    assert extra[0].metadata.labels["controller-revision-hash"] == revision
+
+    too_long = "m" * 30
+    create(
+        cluster,
+        namespace,
+        rljob(
+            too_long,
+            rollout={"backend": "sglang:d1"},
+            actor={"backend": "fsdp:d1"},
+            additionalRollouts=[{"name": "e" * 14, "backend": "vllm:d1"}],
+        ),
+    )
+
+    def refused() -> Any:
+        status = get(cluster, namespace, too_long).get("status") or {}
+        valid = next((c for c in status.get("conditions") or [] if c["type"] == "Valid"), None)
+        return status if valid and valid["status"] == "False" else None
+
+    status = wait_for(f"{too_long} refused", refused)
+    assert "63" in cond(status, "Valid")["message"] and "additionalRollouts[0].name" in cond(status, "Valid")["message"]
+    assert not apps.list_namespaced_stateful_set(namespace, label_selector=f"treetrain.dev/rljob={too_long}").items
