@@ -98,7 +98,9 @@ class TaskClock:
         if stopped is None:  # interrupted: by whichever end came first
             stopped = self._stop_at is not None and time.monotonic() >= self._stop_at
         if stopped:
-            return TaskInterrupted(f"task {self.task}: {what} was still running when SIGTERM came (for {took:.1f}s)")
+            return TaskInterrupted(
+                f"task {self.task}: {what} had not returned {STOP_GRACE_S:g}s after SIGTERM (it ran {took:.1f}s)"
+            )
         return EpisodeTimeoutError(
             f"task {self.task}: {what} did not return within the episode's budget of {self.timeout_s:g}s "
             f"(trainer.episodeTimeoutSeconds; the call ran {took:.1f}s); fix: make the task answer, or raise the key"
