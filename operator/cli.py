@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from rljob_operator.network import NetworkSettings
 from rljob_operator.plan import Limits
 from treetrain import __version__
 
@@ -72,6 +73,24 @@ def build_parser() -> argparse.ArgumentParser:
         "serverArgs (repeatable, e.g. --allow-server-flag=--trust-remote-code)",
     )
     o.add_argument(
+        "--no-network-policy",
+        action="store_true",
+        help="create no NetworkPolicy per RLJob (default: one that admits only the RLJob's own pods and --metrics-from)",
+    )
+    o.add_argument(
+        "--metrics-from",
+        type=_peer,
+        default=None,
+        metavar="JSON",
+        help="the Prometheus pods that may scrape the trainers' metrics port, as a NetworkPolicy peer: "
+        '\'{"namespaceSelector": {...}, "podSelector": {...}}\' (default: none)',
+    )
+    o.add_argument(
+        "--metrics-from-scrapes-servers",
+        action="store_true",
+        help="also open the rollout servers' port (their /metrics, and their whole API) to --metrics-from",
+    )
+    o.add_argument(
         "--bind",
         default=None,
         help="address for the metrics and liveness listeners (default: all interfaces inside a pod, "
@@ -85,6 +104,15 @@ def _module_name(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a dotted module name (acme.tasks; no ':function')")
     return text
+
+
+def _peer(text: str) -> dict[str, Any]:
+    from rljob_operator.network import parse_peer
+
+    try:
+        return parse_peer(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _flag_name(text: str) -> str:
@@ -196,6 +224,11 @@ def _operator(args: argparse.Namespace) -> int:
             task_modules=tuple(args.allow_task_module),
             image_prefixes=tuple(args.allow_image_prefix),
             server_flags=tuple(args.allow_server_flag),
+            network=NetworkSettings(
+                enabled=not args.no_network_policy,
+                metrics_from=args.metrics_from,
+                scrape_servers=args.metrics_from_scrapes_servers,
+            ),
         ),
     )
     return code

@@ -35,13 +35,13 @@ log = logging.getLogger("rljob_operator")
 Key = tuple[str, str]  # (namespace, name)
 # Only a safety net: every RLJob and every kind of child is watched, a pass that waits for time
 # (backoff, TTL) is requeued with its delay, and kopf lists everything again after a watch
-# reconnects. Each idle pass costs 6 GETs per RLJob, so the interval sets the idle load.
+# reconnects. Each idle pass costs 7 GETs per RLJob, so the interval sets the idle load.
 RESYNC_SECONDS = 300.0
-# RLJobs reconciled at once; the lists of a pass's five kinds of children, its applies and its
+# RLJobs reconciled at once; the lists of a pass's six kinds of children, its applies and its
 # events go out in parallel. More workers only added contention for the API server's CPU: with
 # 8, 200 RLJobs took 34 s to run and p99 reconcile was 1.7 s on 2 cores; with 4, 24 s and 0.5 s.
 WORKERS = 4
-CHILD_KINDS = ("Job", "StatefulSet", "Pod", "ConfigMap", "Service")
+CHILD_KINDS = ("Job", "StatefulSet", "Pod", "ConfigMap", "Service", "NetworkPolicy")
 REFUSAL_BACKOFF_SECONDS = 5.0  # a refused child is tried again after 5 s, 10 s, 20 s, ... 5 min
 MAX_REFUSAL_BACKOFF_SECONDS = 300.0
 
@@ -208,7 +208,7 @@ class Controller:
         # The applied children as they are, to skip applying those that already match.
         live = {
             (o["kind"], o["metadata"]["name"]): o
-            for kind in ("Job", "StatefulSet", "ConfigMap", "Service")
+            for kind in ("Job", "StatefulSet", "ConfigMap", "Service", "NetworkPolicy")
             for o in children[kind]
             if controlled_by(o, rljob["metadata"].get("uid"))
         }
@@ -430,6 +430,7 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
         ("", "v1", "configmaps"),
         ("batch", "v1", "jobs"),
         ("apps", "v1", "statefulsets"),
+        ("networking.k8s.io", "v1", "networkpolicies"),
     )
     for group, version, plural in children_kinds:
         kopf.on.event(group, version, plural, labels=children, registry=registry)(child_changed)

@@ -18,6 +18,7 @@ from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
+from rljob_operator.network import with_fresh_key
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
 
 FIELD_MANAGER = MANAGED_BY
@@ -41,6 +42,8 @@ _PATHS = {
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Secret": ("/api/v1", "secrets"),
     "Job": ("/apis/batch/v1", "jobs"),
     KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
@@ -136,6 +139,7 @@ class Kube:
         self.on_request: OnRequest = on_request or (lambda verb, resource, code: None)
         # (kind, ns, name) -> (owner uid, object uid) of the children whose ownership was checked
         self._checked: dict[tuple[str, str, str], tuple[str | None, str]] = {}
+        self._secrets: set[tuple[str, str, str | None]] = set()  # (ns, name, owner uid) created or found
 
     def credentials(self) -> Credentials:
         c = self.client.configuration
@@ -309,12 +313,35 @@ class Kube:
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
         """Create ``obj``; an existing object of the same name is adopted as is. True if created."""
         meta = obj["metadata"]
+        if obj["kind"] == "Secret":
+            return self._create_secret(obj)
         try:
             self._call("create", obj["kind"], "POST", self._path(obj["kind"], meta["namespace"]), body=obj,
                        query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
         except Conflict:
             return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
         return True
+
+    def _create_secret(self, obj: dict[str, Any]) -> bool:
+        """Create the RLJob's key Secret with a fresh key, once: it is never rewritten, and one that
+        exists (409) is taken as this RLJob's, created by an earlier pass or operator. The operator
+        cannot read Secrets (no get: that would read every Secret in the namespace), so a Secret of
+        that name made by someone else is not told apart (docs/install.md, "Network and API keys").
+        Remembered per process: a steady state sends no request for it."""
+        meta = obj["metadata"]
+        key = (meta["namespace"], meta["name"], _owner_uid(obj))
+        if key in self._secrets:
+            return False
+        try:
+            self._call("create", "Secret", "POST", self._path("Secret", meta["namespace"]), body=with_fresh_key(obj),
+                       query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
+            created = True
+        except Conflict:
+            created = False
+        if len(self._secrets) >= MAX_REMEMBERED_OWNERS:
+            self._secrets.clear()
+        self._secrets.add(key)
+        return created
 
     def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         """Delete the object; with ``uid``, only that object (a precondition the API server

@@ -24,7 +24,8 @@ from pydantic import ValidationError
 
 from rljob_operator import admission
 from rljob_operator.models import GROUP, KIND, RESERVED_ENGINE_NAMES, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
-from rljob_operator.servers import multi_node_command, server_argv, server_env, vllm_weight_sync
+from rljob_operator.network import API_KEY_ENV, NetworkSettings, api_key_secret, key_env, network_policy
+from rljob_operator.servers import multi_node_command, server_argv, server_auth, server_env, vllm_weight_sync
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.config import ConfigError, TrainConfig, dump_yaml, validate
 from treetrain.config.load import field_name, value_problem
@@ -175,6 +176,7 @@ class Limits:
     task_modules: tuple[str, ...] = ()  # a package allows its submodules too; builtin: tasks always pass
     image_prefixes: tuple[str, ...] = ()  # whole path segments: ghcr.io/acme never admits ghcr.io/acmeevil/x
     server_flags: tuple[str, ...] = ()  # under allow-lists, serverArgs flags allowed besides the safe ones
+    network: NetworkSettings = field(default_factory=NetworkSettings)  # the NetworkPolicy (operator/network.py)
 
 
 def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
@@ -221,7 +223,7 @@ def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits(
     if errors or spec is None:
         raise PlanError(errors)
     result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, restart=restart)
-    objects = _objects(result, restart=restart)
+    objects = _objects(result, restart=restart, network=limits.network)
     child_errors = _check_children(result, objects)
     if child_errors:
         raise PlanError(child_errors)
@@ -627,14 +629,39 @@ def _engine(spec: RLJobSpec, component: str) -> RolloutEngine:
     return next(e for e in spec.additional_rollouts if f"rollout-{e.name}" == component)
 
 
-def _objects(plan: Plan, *, restart: int) -> list[dict[str, Any]]:
-    objects: list[dict[str, Any]] = [_config_map(plan)]
+def _objects(plan: Plan, *, restart: int, network: NetworkSettings = NetworkSettings()) -> list[dict[str, Any]]:  # noqa: B008
+    objects: list[dict[str, Any]] = [_config_map(plan), *_network(plan, network)]
     for name, comp in plan.components.items():
         if comp.role == "rollout":
             objects += _rollout(plan, name, comp)
         elif comp.colocated_with is None:
             objects += _trainer(plan, comp, restart=restart)
     return objects
+
+
+def api_key_secret_name(plan: Plan) -> str:
+    return f"{plan.name}-api-key"
+
+
+def _network(plan: Plan, network: NetworkSettings) -> list[dict[str, Any]]:
+    """The key's Secret (created once, before any pod reads it) and, unless turned off, the
+    NetworkPolicy that admits only this RLJob's pods and the configured Prometheus."""
+    out = [api_key_secret(name=api_key_secret_name(plan), namespace=plan.namespace, labels=labels(plan, "network"))]
+    if network.enabled:
+        ports = [_engine(plan.spec, n).port for n, c in plan.components.items() if c.role == "rollout"]
+        pods = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_RLJOB: plan.name}
+        out.append(
+            network_policy(
+                name=f"{plan.name}-network",
+                namespace=plan.namespace,
+                labels=labels(plan, "network"),
+                pods=pods,
+                metrics_ports=[METRICS_PORT],
+                server_ports=ports,
+                settings=network,
+            )
+        )
+    return out
 
 
 def trainer_config(plan: Plan) -> dict[str, Any]:
@@ -785,6 +812,10 @@ def _rollout(plan: Plan, name: str, comp: Component) -> list[dict[str, Any]]:
     ppi = comp.pods.pods_per_instance
     argv = server_argv(comp.allocation, model=_model_path(spec), port=engine.port, extra_args=engine.server_args)
     env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
+    # The servers require the RLJob's key (operator/network.py): a flag for SGLang, VLLM_API_KEY for vLLM.
+    auth_flags, auth_env = server_auth(comp.allocation.backend, API_KEY_ENV)
+    argv += auth_flags
+    env += key_env(api_key_secret_name(plan), API_KEY_ENV, *auth_env)
     disk = spec.weight_sync.method == "disk"
     if comp.allocation.backend == "vllm":
         flags, more_env = vllm_weight_sync(spec.weight_sync.method)
@@ -889,6 +920,8 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         {"name": "TREETRAIN_ROLE", "value": comp.role},
         {"name": "TREETRAIN_CONFIG", "value": CONFIG_PATH},
         {"name": "TREETRAIN_RESTART", "value": str(restart)},
+        # The rollout servers' key: the trainer's rollout client sends it as a bearer token.
+        *key_env(api_key_secret_name(plan), API_KEY_ENV),
     ]
     volumes, mounts = _volumes(plan, checkpoints=True)
     volumes.append({"name": "config", "configMap": {"name": f"{plan.name}-config"}})

@@ -21,6 +21,11 @@ RULES: list[dict[str, Any]] = [
     {"apiGroups": [""], "resources": ["services"], "verbs": [*_WATCH, "create", "patch", "delete"]},
     {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": [*_WATCH, "create", "patch", "delete"]},
     {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": [*_WATCH, "create", "delete"]},
+    # Each RLJob's NetworkPolicy: server-side applied and watched like the other children.
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": [*_WATCH, "create", "patch"]},
+    # Each RLJob's API-key Secret: created once, never read (reading would expose every Secret of
+    # the namespace), never rewritten; the garbage collector deletes it with the RLJob.
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     # Pods are only observed (phase, scheduling, failures).
     {"apiGroups": [""], "resources": ["pods"], "verbs": _WATCH},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},

@@ -321,6 +321,8 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             if wait > 0 or obj["metadata"]["name"] in stale or obj["metadata"]["name"] in existing:
                 continue
             decision.create_only.append(obj)
+        elif obj["kind"] == "Secret":
+            decision.create_only.append(obj)  # the API key: random, created once, never rewritten
         else:
             decision.apply.append(obj)
     if pending:

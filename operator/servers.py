@@ -57,6 +57,21 @@ def server_env(backend: str) -> list[dict[str, object]]:
     return [{"name": "VLLM_HOST_IP", **pod_ip}]
 
 
+def server_auth(backend: str, key_env: str) -> tuple[list[str], list[str]]:
+    """(flags, names of extra variables holding the key) that make a server require the API key
+    that variable ``key_env`` holds. SGLang: ``--api-key``, given ``$(VAR)``, which the kubelet
+    expands from the pod's environment (the key never appears in the pod template); it guards
+    every route but ``/health*`` and ``/metrics``, weight updates included. vLLM reads
+    ``VLLM_API_KEY``; it guards only ``/v1``, ``/v2``, ``/inference`` and ``/cohere``: its
+    dev-mode routes (``/collective_rpc``, ``/pause``, ``/resume``) stay open, so the RLJob's
+    NetworkPolicy is their only boundary (docs/install.md, "Network and API keys")."""
+    if backend == "sglang":
+        return ["--api-key", f"$({key_env})"], []
+    if backend == "vllm":
+        return [], ["VLLM_API_KEY"]
+    raise ValueError(f"{backend} is not a rollout server backend")
+
+
 # Our vLLM worker extension (treetrain/rl/vllm_worker.py, in the trainer image that also runs the
 # servers): the workers join the trainer's weight-update group and receive the broadcast buckets.
 VLLM_WORKER_EXTENSION = "treetrain.rl.vllm_worker.WeightSyncExtension"

@@ -8,6 +8,7 @@ helm comes from the test control plane's binaries (`make cluster-bin`; `make tes
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rljob_operator.cli import build_parser
 from rljob_operator.metrics import Metrics
+from rljob_operator.network import parse_peer
 from rljob_operator.plan import METRICS_PORT, plan
 from rljob_operator.rbac import RULES
 from treetrain import __version__
@@ -85,7 +88,9 @@ def test_helm_lint_strict(helm: Path) -> None:
 
 def test_defaults_render_only_the_operator(render: Render) -> None:
     docs = render()
-    assert kinds(docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds(docs) == [
+        "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy", "Service", "ServiceAccount",
+    ]  # fmt: skip
     for doc in docs:
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
         if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
@@ -135,6 +140,84 @@ def test_rbac_can_be_left_to_an_administrator(render: Render) -> None:
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "given"
 
 
+def _rbac_table(guide: str) -> dict[tuple[str, str], list[str]]:
+    """docs/install.md's RBAC table: (API group, resource) -> verbs, as written."""
+    section = guide.split("### What the operator may do", 1)[1].split("\n\n| API group |", 1)[1]
+    rows: dict[tuple[str, str], list[str]] = {}
+    for line in section.split("\n\n", 1)[0].splitlines()[2:]:
+        group, resources, verbs = (cell.strip() for cell in line.strip("|").split("|"))
+        group = "" if group == "core" else group.strip("`")
+        for resource in resources.split(","):
+            rows[(group, resource.strip().strip("`"))] = [v.strip() for v in re.sub(r"\(.*?\)", "", verbs).split(",")]
+    return rows
+
+
+def test_install_guide_rbac_table_is_the_operators_rules() -> None:
+    guide = (ROOT / "docs" / "install.md").read_text()
+    want = {(g, r): rule["verbs"] for rule in RULES for g in rule["apiGroups"] for r in rule["resources"]}
+    assert _rbac_table(guide) == want
+
+
+# ---------------------------------------------------------------------------
+# Network policies
+
+PROMETHEUS_PEER = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+
+
+def _network_args(docs: list[dict[str, Any]]) -> list[str]:
+    (container,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return [a for a in container["args"] if a.startswith(("--metrics-from", "--no-network-policy"))]
+
+
+def test_operator_network_policy_admits_prometheus_to_metrics_only(render: Render) -> None:
+    docs = render()
+    policy = one(docs, "NetworkPolicy")
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [PROMETHEUS_PEER], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    # The same peer reaches every RLJob's trainers: the operator gets it as --metrics-from, which it parses.
+    (arg,) = _network_args(docs)
+    peer = build_parser().parse_args(["operator", arg]).metrics_from
+    assert peer == parse_peer(arg.removeprefix("--metrics-from=")) == PROMETHEUS_PEER
+
+
+def test_operator_network_policy_values(render: Render) -> None:
+    liveness = [{"ipBlock": {"cidr": "10.0.0.0/16"}}]
+    # Helm merges maps with the defaults: a default label is dropped by setting it to null.
+    custom = {
+        "namespaceSelector": {"matchLabels": {"team": "obs", "kubernetes.io/metadata.name": None}},
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": None},
+            "matchExpressions": [{"key": "app", "operator": "In", "values": ["prom"]}],
+        },
+        "scrapeRolloutServers": True,
+    }
+    docs = render(metrics={"port": 9090}, networkPolicy={"prometheus": custom, "livenessFrom": liveness})
+    ingress = one(docs, "NetworkPolicy")["spec"]["ingress"]
+    peer = {
+        "namespaceSelector": {"matchLabels": {"team": "obs"}},
+        "podSelector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["prom"]}], "matchLabels": {}},
+    }
+    assert ingress == [
+        {"from": [peer], "ports": [{"protocol": "TCP", "port": 9090}]},
+        {"from": liveness, "ports": [{"protocol": "TCP", "port": 8081}]},
+    ]
+    assert _network_args(docs) == [
+        f"--metrics-from={json.dumps(peer, separators=(',', ':'))}",
+        "--metrics-from-scrapes-servers",
+    ]
+    # No Prometheus: nothing reaches the operator's ports through its policy, and no RLJob's metrics port.
+    docs = render(networkPolicy={"prometheus": {"enabled": False}})
+    assert one(docs, "NetworkPolicy")["spec"]["ingress"] == [] and _network_args(docs) == []
+    # Off: no policy for the operator, none per RLJob.
+    docs = render(networkPolicy={"enabled": False})
+    assert "NetworkPolicy" not in kinds(docs) and _network_args(docs) == ["--no-network-policy"]
+
+
 # ---------------------------------------------------------------------------
 # The Deployment
 
@@ -155,7 +238,7 @@ def test_deployment_is_hardened_single_replica_with_probes(render: Render) -> No
     # In a pod the listeners must take the pod IP (kubelet probes, Prometheus); loopback is the CLI default.
     assert container["args"] == [
         "operator", "--metrics-port=8080", "--liveness-port=8081", "--bind=0.0.0.0",
-        "--max-gpus-per-rljob=4096", "--max-pods-per-rljob=1024",
+        "--max-gpus-per-rljob=4096", "--max-pods-per-rljob=1024", f"--metrics-from={json.dumps(PROMETHEUS_PEER, separators=(',', ':'))}",
     ]  # fmt: skip
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "liveness": 8081}
@@ -319,6 +402,11 @@ BAD_VALUES = [
     ({"watchNamespace": ["a"]}, "additional properties 'watchNamespace' not allowed"),
     ({"resources": {"limits": {"memory": "lots"}}}, "at '/resources/limits/memory'"),
     ({"admission": {"allowedTaskModules": ["os:system"]}}, "at '/admission/allowedTaskModules/0': 'os:system'"),
+    ({"networkPolicy": {"enable": False}}, "at '/networkPolicy': additional properties 'enable' not allowed"),
+    (
+        {"networkPolicy": {"prometheus": {"podSelector": {"matchLabels": {"app": "a b"}}}}},
+        "at '/networkPolicy/prometheus/podSelector/matchLabels/app': 'a b' does not match pattern",
+    ),
 ]
 
 
@@ -340,8 +428,8 @@ def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for key, value in values.items():
         path = f"{prefix}{key}"
-        # `resources` is one Kubernetes object, documented as a whole.
-        nested = isinstance(value, dict) and value and key != "resources"
+        # `resources` and label selectors are Kubernetes objects, documented as wholes.
+        nested = isinstance(value, dict) and value and key not in ("resources", "namespaceSelector", "podSelector")
         out += _leaves(value, f"{path}.") if nested else [path]
     return out
 

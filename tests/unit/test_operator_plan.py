@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rljob_operator.models import RESERVED_ENGINE_NAMES
-from rljob_operator.plan import PlanError, plan, rollout_servers, trainer_config
-from rljob_operator.servers import multi_node_command, server_argv
+from rljob_operator.network import NetworkSettings, parse_peer, with_fresh_key
+from rljob_operator.plan import Limits, PlanError, plan, rollout_servers, trainer_config
+from rljob_operator.servers import multi_node_command, server_argv, server_auth
 from treetrain.alloc import parse
 from treetrain.config import validate
 
@@ -49,6 +50,8 @@ def test_smallest_valid_rljob_from_design() -> None:
     assert sorted(by_kind(p.objects)) == [
         ("ConfigMap", "demo-config"),
         ("Job", "demo-trainer"),
+        ("NetworkPolicy", "demo-network"),
+        ("Secret", "demo-api-key"),
         ("Service", "demo-rollout"),
         ("Service", "demo-trainer"),
         ("StatefulSet", "demo-rollout"),
@@ -62,7 +65,7 @@ def test_children_labels_and_owner() -> None:
         assert meta["namespace"] == "ml"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "rljob-operator"
         assert meta["labels"]["treetrain.dev/rljob"] == "job"
-        assert meta["labels"]["treetrain.dev/component"] in ("rollout", "actor")
+        assert meta["labels"]["treetrain.dev/component"] in ("rollout", "actor", "network")
         (owner,) = meta["ownerReferences"]
         assert owner == {"apiVersion": "treetrain.dev/v1alpha1", "kind": "RLJob", "name": "job", "uid": "uid-1",
                          "controller": True, "blockOwnerDeletion": True}  # fmt: skip
@@ -127,7 +130,7 @@ def test_rollout_statefulset() -> None:
     assert container["command"] == [
         "python3", "-m", "sglang.launch_server", "--model-path", "Qwen/Qwen3-8B", "--host", "0.0.0.0",
         "--port", "30000", "--tp-size", "4", "--pp-size", "1", "--dp-size", "1", "--enable-metrics",
-        "--mem-fraction-static", "0.8",
+        "--mem-fraction-static", "0.8", "--api-key", "$(TREETRAIN_ROLLOUT_API_KEY)",
     ]  # fmt: skip
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
     env = {e["name"]: e for e in container["env"]}
@@ -509,3 +512,124 @@ def test_a_request_beyond_the_ceilings_is_refused_before_anything_is_rendered() 
     assert time.monotonic() - started < 5  # refused before 65,536 server URLs are built
     with pytest.raises(PlanError, match="at most 8 GPUs"):
         plan(manifest(), limits=Limits(max_gpus=8, max_pods=100))
+
+
+# ---------------------------------------------------------------------------
+# Network: the NetworkPolicy per RLJob and the rollout servers' API key (operator/network.py)
+
+PROMETHEUS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+}
+TWO_ENGINES = {"additionalRollouts": [{"name": "small", "backend": "vllm:d1t1", "port": 8000}]}
+
+
+def _policy(limits: Limits = Limits(), **spec: Any) -> dict[str, Any]:  # noqa: B008
+    return by_kind(plan(manifest(**spec), limits=limits).objects)[("NetworkPolicy", "job-network")]
+
+
+def test_network_policy_admits_only_the_rljobs_own_pods_by_default() -> None:
+    p = plan(manifest(**TWO_ENGINES))
+    policy = by_kind(p.objects)[("NetworkPolicy", "job-network")]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    assert policy["metadata"]["labels"]["treetrain.dev/rljob"] == "job"
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # deleted with the RLJob
+    own = {"app.kubernetes.io/managed-by": "rljob-operator", "treetrain.dev/rljob": "job"}
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": own} and spec["policyTypes"] == ["Ingress"]
+    # Every port from the RLJob's own pods (NCCL picks ephemeral ports), and nothing else.
+    assert spec["ingress"] == [{"from": [{"podSelector": {"matchLabels": own}}]}]
+    # Every pod the RLJob runs is selected by the policy (so protected by it).
+    for obj in p.objects:
+        if obj["kind"] in ("Job", "StatefulSet"):
+            pod_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert own.items() <= pod_labels.items(), obj["metadata"]["name"]
+
+
+def test_network_policy_admits_prometheus_to_the_metrics_port_only() -> None:
+    policy = _policy(Limits(network=NetworkSettings(metrics_from=PROMETHEUS)), **TWO_ENGINES)
+    _, metrics = policy["spec"]["ingress"]
+    assert metrics == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": 9400}]}
+    # Opening the servers' port too (their /metrics shares it with their whole API) is explicit.
+    policy = _policy(Limits(network=NetworkSettings(metrics_from=PROMETHEUS, scrape_servers=True)), **TWO_ENGINES)
+    assert [p["port"] for p in policy["spec"]["ingress"][1]["ports"]] == [8000, 9400, 30000]
+
+
+def test_network_policy_can_be_turned_off_and_the_key_stays() -> None:
+    objects = by_kind(plan(manifest(), limits=Limits(network=NetworkSettings(enabled=False))).objects)
+    assert not [k for k in objects if k[0] == "NetworkPolicy"]
+    assert ("Secret", "job-api-key") in objects
+
+
+def test_api_key_secret_is_rendered_without_a_key_and_created_once_with_a_fresh_one() -> None:
+    p = plan(manifest())
+    secret = by_kind(p.objects)[("Secret", "job-api-key")]
+    assert "data" not in secret and "stringData" not in secret  # the planner draws nothing: it is pure
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert plan(manifest()).objects == p.objects
+    first, second = with_fresh_key(secret)["stringData"]["api-key"], with_fresh_key(secret)["stringData"]["api-key"]
+    assert first != second and len(first) >= 43  # 256 random bits each time
+    assert (
+        with_fresh_key(by_kind(p.objects)[("ConfigMap", "job-config")])
+        == by_kind(p.objects)[("ConfigMap", "job-config")]
+    )
+
+
+def _env_of(obj: dict[str, Any]) -> dict[str, Any]:
+    (container,) = obj["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_servers_require_the_key_and_the_trainer_holds_it() -> None:
+    objects = by_kind(plan(manifest(**TWO_ENGINES)).objects)
+    ref = {"valueFrom": {"secretKeyRef": {"name": "job-api-key", "key": "api-key"}}}
+    sglang, vllm, trainer = (
+        objects[("StatefulSet", "job-rollout")],
+        objects[("StatefulSet", "job-rollout-small")],
+        objects[("Job", "job-trainer")],
+    )
+    assert _env_of(trainer)["TREETRAIN_ROLLOUT_API_KEY"] == {"name": "TREETRAIN_ROLLOUT_API_KEY", **ref}
+    # SGLang: --api-key with the variable the kubelet expands (the key is not in the template).
+    (container,) = sglang["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--api-key", "$(TREETRAIN_ROLLOUT_API_KEY)"]
+    assert _env_of(sglang)["TREETRAIN_ROLLOUT_API_KEY"] == {"name": "TREETRAIN_ROLLOUT_API_KEY", **ref}
+    # vLLM reads VLLM_API_KEY.
+    assert _env_of(vllm)["VLLM_API_KEY"] == {"name": "VLLM_API_KEY", **ref}
+    (container,) = vllm["spec"]["template"]["spec"]["containers"]
+    assert "--api-key" not in container["command"]
+    # The probes stay unauthenticated: both servers leave /health open.
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_server_auth_per_backend() -> None:
+    assert server_auth("sglang", "K") == (["--api-key", "$(K)"], [])
+    assert server_auth("vllm", "K") == ([], ["VLLM_API_KEY"])
+    with pytest.raises(ValueError, match="not a rollout server backend"):
+        server_auth("fsdp", "K")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("monitoring", "is not JSON"),
+        ("[]", "must be an object with namespaceSelector and/or podSelector"),
+        ('{"ipBlock": {"cidr": "0.0.0.0/0"}}', "must be an object with namespaceSelector and/or podSelector"),
+        ('{"podSelector": {"matchLabels": {"a": "b c"}}}', "podSelector: matchLabels 'a'"),
+        ('{"podSelector": {"matchExpressions": [{"key": "a", "operator": "Is"}]}}', "an operator of In, NotIn"),
+        ('{"podSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}', "In and NotIn need values"),
+    ],
+)
+def test_metrics_from_refuses_bad_peers_in_one_line(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as err:
+        parse_peer(text)
+    assert "\n" not in str(err.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "rljob_operator.cli", "operator", "--metrics-from", text],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr and message.split("'")[0] in done.stderr
+
+
+def test_metrics_from_accepts_a_peer() -> None:
+    assert parse_peer(json.dumps(PROMETHEUS)) == PROMETHEUS
+    assert parse_peer('{"namespaceSelector": {}}') == {"namespaceSelector": {}}

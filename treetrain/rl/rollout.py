@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import inspect
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -287,10 +288,23 @@ def _top_p(probs_BV: Any, top_p: float) -> Any:
 Transport = Callable[[str, str, dict[str, Any] | None, float], tuple[int, Any]]
 
 
+# The rollout servers' API key (the operator sets it in trainer and rollout pods from the RLJob's
+# Secret): sent as a bearer token on every request when set. SGLang checks it on every route but
+# /health* and /metrics, vLLM on its /v1 routes only.
+API_KEY_ENV = "TREETRAIN_ROLLOUT_API_KEY"
+
+
+def auth_headers(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` from :data:`API_KEY_ENV`, or nothing when it is unset or empty."""
+    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def http_json(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
     """One JSON request; returns (status, parsed body or text). Connection errors raise OSError."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **auth_headers()}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()

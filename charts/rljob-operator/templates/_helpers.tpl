@@ -36,3 +36,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "rljob-operator.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
+
+{{/* The Prometheus pods as one NetworkPolicy peer (the operator's policy and, through
+--metrics-from, every RLJob's). */}}
+{{- define "rljob-operator.prometheusPeer" -}}
+{{- with .Values.networkPolicy.prometheus -}}
+namespaceSelector:
+  {{- toYaml (.namespaceSelector | default dict) | nindent 2 }}
+podSelector:
+  {{- toYaml (.podSelector | default dict) | nindent 2 }}
+{{- end -}}
+{{- end -}}
