@@ -58,6 +58,8 @@ class _MemoryKube:
         self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
 
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
+        if obj["kind"] == "Secret" and (obj["kind"], obj["metadata"]["name"]) in self.objects:
+            return False  # Kube remembers the key Secrets it created: no request
         self.requests["create"] += 1
         return self.objects.setdefault((obj["kind"], obj["metadata"]["name"]), copy.deepcopy(obj)) is obj
 
@@ -91,7 +93,8 @@ def test_a_second_pass_over_an_unchanged_rljob_writes_nothing() -> None:
     controller.reconcile_one("ml", "demo")
     first = kube.requests.copy()
     assert first["list"] == 0  # a new RLJob has no children yet: nothing to list
-    assert first["apply"] == 4 and first["create"] == 1 and first["patch_status"] == 1, dict(first)
+    # ConfigMap, NetworkPolicy, 2 Services and the StatefulSet applied; the key Secret and the Job created.
+    assert first["apply"] == 5 and first["create"] == 2 and first["patch_status"] == 1, dict(first)
     for _ in range(3):
         kube.requests.clear()
         controller.reconcile_one("ml", "demo")
