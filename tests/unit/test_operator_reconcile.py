@@ -62,6 +62,11 @@ def job(name: str, condition: str | None = None, *, owner: str | None = "u") -> 
     return {**child("Job", name, labels, owner=owner), "status": status}
 
 
+def jobs(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Jobs among ``objects`` (``create_only`` also holds the key Secret, created once)."""
+    return [o for o in objects if o["kind"] == "Job"]
+
+
 def recorded(d: Decision) -> list[dict[str, Any]]:
     """The ConfigMaps a decision wrote, as the next pass lists them (its record of restarts, finishes)."""
     written = {o["metadata"]["name"]: o for o in (*d.apply, *d.remember) if o["kind"] == "ConfigMap"}
@@ -81,10 +86,12 @@ def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
 def test_new_rljob_creates_everything_at_once() -> None:
     d = decide(rljob(), Observed(), NOW)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in d.apply) == [
-        ("ConfigMap", "demo-config"), ("Service", "demo-rollout"), ("Service", "demo-trainer"),
-        ("StatefulSet", "demo-rollout"),
+        ("ConfigMap", "demo-config"), ("NetworkPolicy", "demo-network"), ("Service", "demo-rollout"),
+        ("Service", "demo-trainer"), ("StatefulSet", "demo-rollout"),
     ]  # fmt: skip
-    assert [o["metadata"]["name"] for o in d.create_only] == ["demo-trainer"]
+    # The key Secret is created once (kube.py remembers it); the trainer Job after the rest.
+    assert [(o["kind"], o["metadata"]["name"]) for o in d.create_only] == [("Secret", "demo-api-key"),
+                                                                           ("Job", "demo-trainer")]  # fmt: skip
     assert d.status["phase"] == "Pending" and d.status["gpus"] == 16 and d.status["observedGeneration"] == 3
     assert cond(d.status, "Valid")["status"] == "True"
     assert d.status["allocation"]["rollout"]["gpusPerPod"] == 4
@@ -126,10 +133,10 @@ def test_trainer_failure_restarts_with_backoff() -> None:
     assert recorded(d) == d.remember and not d.apply
     world = Observed(pods=running_pods()[:2], configmaps=recorded(d))
     soon = decide(rljob(status=d.status), world, NOW + timedelta(seconds=4))
-    assert soon.create_only == [] and soon.requeue_after == 6.0
+    assert jobs(soon.create_only) == [] and soon.requeue_after == 6.0
     # ... afterwards it is, under a new name, resuming from the checkpoint.
     later = decide(rljob(status=d.status), world, NOW + timedelta(seconds=11))
-    (new_job,) = later.create_only
+    (new_job,) = jobs(later.create_only)
     assert new_job["metadata"]["name"] == "demo-trainer-r1"
     env = {e["name"]: e.get("value") for e in new_job["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TREETRAIN_RESTART"] == "1"
@@ -274,7 +281,7 @@ def test_a_steady_state_sends_nothing() -> None:
         stored = _stored(first.status)
         again = decide(rljob(status=stored, **spec), observed, NOW + timedelta(seconds=30))
         assert again.status == stored, "the controller would PATCH an unchanged status"
-        assert again.create_only == [], "the controller would POST a Job that exists"
+        assert jobs(again.create_only) == [], "the controller would POST a Job that exists"
         assert again.events == []
 
 
