@@ -15,13 +15,16 @@ import json
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import kopf
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.kube import Conflict, Kube, NotOurs, stamped, unchanged
@@ -44,6 +47,11 @@ WORKERS = 4
 CHILD_KINDS = ("Job", "StatefulSet", "Pod", "ConfigMap", "Service", "NetworkPolicy")
 REFUSAL_BACKOFF_SECONDS = 5.0  # a refused child is tried again after 5 s, 10 s, 20 s, ... 5 min
 MAX_REFUSAL_BACKOFF_SECONDS = 300.0
+ERROR_BACKOFF_SECONDS = 5.0  # a pass that failed otherwise (API server away, ...): 5 s, 10 s, ... 1 min
+MAX_ERROR_BACKOFF_SECONDS = 60.0
+# Children carry the RLJob's name as a label value, which the API allows up to 63 characters:
+# an RLJob with a longer name (refused by plan) can have no children to list.
+MAX_LABEL_VALUE = 63
 
 
 class RefusedChild(Exception):
@@ -52,6 +60,36 @@ class RefusedChild(Exception):
     def __init__(self, kind: str, name: str, status: int, message: str) -> None:
         self.kind, self.name, self.status, self.message = kind, name, status, message
         super().__init__(f"{kind} {name}: HTTP {status}: {message}" if status else message)
+
+
+def backoff(attempts: int, base: float, cap: float) -> float:
+    """Delay after the ``attempts``-th failure in a row (1-based): base, 2*base, 4*base, ... cap."""
+    return float(min(base * 2.0 ** max(attempts - 1, 0), cap))
+
+
+def refusal_message(status: Mapping[str, Any]) -> str | None:
+    """The API server's words of a ReconcileError condition that is True, else None."""
+    for c in status.get("conditions") or []:
+        if c.get("type") == "ReconcileError" and c.get("status") == "True":
+            return str(c.get("message") or "")
+    return None
+
+
+def still_invalid(rljob: Mapping[str, Any]) -> bool:
+    """Whether the stored status already says Valid=False for the RLJob's current generation: the
+    pass that found it invalid deleted its children, so there is nothing to list or delete."""
+    status = rljob.get("status") or {}
+    valid = next((c for c in status.get("conditions") or [] if c.get("type") == "Valid"), None)
+    generation = (rljob.get("metadata") or {}).get("generation")
+    return valid is not None and valid.get("status") == "False" and status.get("observedGeneration") == generation
+
+
+def _with_refusal(status: dict[str, Any], message: str) -> dict[str, Any]:
+    """``status`` (a copy) saying that the API server refused a child, in its words."""
+    fresh = {**status, "conditions": [dict(c) for c in status.get("conditions", [])]}
+    _set_refusal(fresh, message)
+    fresh["message"] = f"the API server refused a child: {message}"
+    return fresh
 
 
 def _set_refusal(status: dict[str, Any], message: str | None) -> None:
@@ -77,23 +115,51 @@ class WorkQueue:
 
     def __init__(self) -> None:
         self._due: dict[Key, float] = {}
+        # Keys backing off (a refused child, a failing pass) until a time: an ordinary event
+        # (the pass's own status write, a child's change, the resync) does not bring them
+        # forward; an urgent one (the spec changed, the RLJob was deleted) does.
+        self._held: dict[Key, float] = {}
+        self._urgent: set[Key] = set()  # urgent adds since the key's current pass began
         self._running: set[Key] = set()
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
 
-    def add(self, key: Key, delay: float = 0.0) -> None:
+    def add(self, key: Key, delay: float = 0.0, *, urgent: bool = False) -> None:
         loop = self._loop
         if loop is not None and threading.get_ident() != self._loop_thread:
-            loop.call_soon_threadsafe(self._add, key, delay)
+            loop.call_soon_threadsafe(self._add, key, delay, urgent)
         else:
-            self._add(key, delay)
+            self._add(key, delay, urgent)
 
-    def _add(self, key: Key, delay: float) -> None:
+    def _add(self, key: Key, delay: float, urgent: bool = False) -> None:
         due = time.monotonic() + delay
+        if urgent:
+            self._held.pop(key, None)
+            if key in self._running:
+                self._urgent.add(key)
+        elif key in self._held:
+            due = max(due, self._held[key])
         if key not in self._due or due < self._due[key]:
             self._due[key] = due
         self._wakeup.set()
+
+    def hold(self, key: Key, delay: float) -> None:
+        """Process ``key`` again in ``delay`` seconds, and not before unless an urgent add comes
+        (also one that came while its pass ran). Call from the queue's loop."""
+        if key in self._urgent:
+            return
+        until = time.monotonic() + delay
+        self._held[key] = until
+        self._due[key] = until
+        self._wakeup.set()
+
+    def release(self, key: Key) -> None:
+        """End a hold: the key's events queue it at once again."""
+        self._held.pop(key, None)
+
+    def held(self, key: Key) -> bool:
+        return key in self._held
 
     async def run(self, worker: Callable[[Key], Awaitable[None]], concurrency: int = 4) -> None:
         self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
@@ -112,6 +178,7 @@ class WorkQueue:
             for _, key in ready[: max(concurrency - len(self._running), 0)]:
                 del self._due[key]
                 self._running.add(key)
+                self._urgent.discard(key)
                 task = asyncio.create_task(process(key))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -131,7 +198,11 @@ class Controller:
         self.limits = limits or Limits()
         self.queue = WorkQueue()
         self.known: set[Key] = set()
-        self.refusals: dict[Key, tuple[int, str]] = {}  # RLJobs whose children the API refused: (attempts, message)
+        self.refusals: dict[Key, int] = {}  # RLJobs whose children the API refuses: attempts in a row
+        self.failures: dict[Key, int] = {}  # RLJobs whose passes fail otherwise: attempts in a row
+        # The generation each RLJob had at its last pass: an event with another one is a spec
+        # change, which ends any backoff at once.
+        self.generations: dict[Key, int | None] = {}
         # Set when a background task (the work queue, the resync) died: the operator would go
         # silent, so liveness fails and the process stops (the Deployment restarts it).
         self.fatal: str | None = None
@@ -158,8 +229,14 @@ class Controller:
 
         task.add_done_callback(done)
 
+    def event(self, key: Key, generation: int | None, deleted: bool = False) -> None:
+        """An RLJob event: queue it; at once if its spec changed or it is gone, else after any
+        backoff it is in (its own status writes must not turn the backoff into a hot loop)."""
+        self.queue.add(key, urgent=deleted or generation != self.generations.get(key))
+
     async def worker(self, key: Key) -> None:
         started = time.monotonic()
+        failed: str | None = None
         try:
             requeue = await asyncio.get_running_loop().run_in_executor(self._workers, self.reconcile_one, *key)
         except Conflict:
@@ -171,28 +248,42 @@ class Controller:
                 log.info("%s/%s: its namespace is being deleted; leaving it", *key)
                 requeue = None
             else:
-                self.metrics.errors.inc()
-                log.warning("reconciling %s/%s: the API server answered %s: %s; retrying in 5 s", *key,
-                            exc.status, _api_message(exc))  # fmt: skip
-                requeue = 5.0
-        except Exception:
-            self.metrics.errors.inc()
-            log.exception("reconciling %s/%s failed; retrying in 5 s", *key)
-            requeue = 5.0
+                failed = f"the API server answered {exc.status}: {_api_message(exc)}"
+        except Exception as exc:  # one line per failure (the traceback at debug level); retried
+            failed = _describe_error(exc)
+            log.debug("reconciling %s/%s failed", *key, exc_info=True)
         finally:
             self.metrics.reconcile.observe(time.monotonic() - started)
+        if failed is not None:
+            self.metrics.errors.inc()
+            attempts = self.failures[key] = self.failures.get(key, 0) + 1
+            delay = backoff(attempts, ERROR_BACKOFF_SECONDS, MAX_ERROR_BACKOFF_SECONDS)
+            log.warning("reconciling %s/%s failed: %s; retrying in %.0f s", *key, failed, delay)
+            self.queue.hold(key, delay)
+            return
+        self.failures.pop(key, None)
+        if key in self.refusals and requeue is not None:
+            self.queue.hold(key, requeue)  # the refusal's backoff
+            return
+        self.queue.release(key)
         if requeue is not None:
             self.queue.add(key, requeue)
 
     def reconcile_one(self, namespace: str, name: str) -> float | None:
         """One level-based pass over one RLJob; returns when to look again (seconds) or None."""
+        key = (namespace, name)
         rljob = self.kube.get("RLJob", namespace, name)
         if rljob is None:
-            self.known.discard((namespace, name))
+            self.known.discard(key)
+            self.refusals.pop(key, None)
+            self.generations.pop(key, None)
             self.metrics.observe(namespace, name, None, {})
             return None
-        self.known.add((namespace, name))
-        if not rljob.get("status"):
+        self.known.add(key)
+        self.generations[key] = (rljob.get("metadata") or {}).get("generation")
+        if still_invalid(rljob) and self._stays_invalid(rljob):
+            return None
+        if not rljob.get("status") or len(name) > MAX_LABEL_VALUE:
             # Never reconciled: the status is written before any child is made, so there are
             # none to list (5 requests saved per new RLJob; a wrong guess only costs idempotent
             # applies, and the status write queues a pass that lists them).
@@ -220,30 +311,54 @@ class Controller:
         # deleting the failed Job still has the restart counted. A Conflict here means the
         # RLJob changed meanwhile: nothing was done yet, and the next pass reads again.
         old = rljob.get("status") or {}
-        key = (namespace, name)
-        refused_before = self.refusals.get(key)
+        computed = decision.status
+        refused_before = refusal_message(old)
         if refused_before is not None:
-            # Optimistic: cleared now, set again below if the API server still refuses a child.
-            _set_refusal(decision.status, None)
-        if _normalised(decision.status) != _normalised(old):
-            self.kube.patch_status(
-                namespace, name, merge_patch(old, decision.status), rljob["metadata"]["resourceVersion"]
-            )
-            # A new RLJob posts 3 or 4 events at once: in parallel, one round trip.
-            posted = [self._io.submit(self._event, rljob, *event) for event in decision.events]
-            for done in posted:
-                done.result()
-            if decision.status.get("restarts", 0) > old.get("restarts", 0):
-                self.metrics.restarts.labels(namespace=namespace).inc()
+            # Still refused until a pass gets every child accepted: the status keeps saying so
+            # (a status cleared and set again on every pass flapped, and each write re-queued it).
+            decision.status = _with_refusal(computed, refused_before)
+        version = self._write_status(rljob, old, decision)
         try:
             self._carry_out(rljob, decision, live)
         except RefusedChild as refused:
-            return self._refused(rljob, decision.status, refused)
+            return self._refused(rljob, decision.status, refused, version)
         self.refusals.pop(key, None)
+        if refused_before is not None:
+            _set_refusal(computed, None)  # every child accepted: said once, in a second write
+            self.kube.patch_status(namespace, name, merge_patch(decision.status, computed), version)
+            decision.status = computed
         gpus = {c: a["gpus"] for c, a in decision.status.get("allocation", {}).items()}
         active = decision.status.get("phase") in ("Pending", "Running")
         self.metrics.observe(namespace, name, decision.status.get("phase"), gpus if active else {})
         return decision.requeue_after
+
+    def _write_status(self, rljob: dict[str, Any], old: dict[str, Any], decision: Decision) -> str:
+        """Patch the status if it changed and post the decision's events; the new resourceVersion."""
+        meta = rljob["metadata"]
+        version = str(meta["resourceVersion"])
+        if _normalised(decision.status) == _normalised(old):
+            return version
+        version = self.kube.patch_status(meta["namespace"], meta["name"], merge_patch(old, decision.status), version)
+        # A new RLJob posts 3 or 4 events at once: in parallel, one round trip.
+        posted = [self._io.submit(self._event, rljob, *event) for event in decision.events]
+        for done in posted:
+            done.result()
+        if decision.status.get("restarts", 0) > old.get("restarts", 0):
+            self.metrics.restarts.labels(namespace=meta["namespace"]).inc()
+        return version
+
+    def _stays_invalid(self, rljob: dict[str, Any]) -> bool:
+        """An RLJob already found invalid at this generation: decided again without listing its
+        children (it has none left), the status patched only if it changed. False when it has
+        become valid (the operator's limits changed): then a full pass follows."""
+        decision = decide(rljob, Observed(), datetime.now(UTC), self.limits)
+        if not still_invalid({**rljob, "status": decision.status}):
+            return False
+        self._write_status(rljob, rljob.get("status") or {}, decision)
+        meta = rljob["metadata"]
+        self.refusals.pop((meta["namespace"], meta["name"]), None)
+        self.metrics.observe(meta["namespace"], meta["name"], decision.status.get("phase"), {})
+        return True
 
     def _carry_out(
         self, rljob: dict[str, Any], decision: Decision, live: Mapping[tuple[str, str], dict[str, Any]]
@@ -282,36 +397,31 @@ class Controller:
         except NotOurs as taken:
             raise RefusedChild(taken.kind, taken.name, 0, str(taken)) from None
         except ApiException as exc:
-            # 4xx on an object we render is the input's fault (or ours), never transient:
-            # retrying every 5 s would loop for ever and say nothing.
-            if 400 <= exc.status < 500 and exc.status not in (408, 429) and not _terminating(exc):
+            # 4xx on an object we render is the input's fault (or ours), never transient, and so
+            # is a 500 from server-side apply (a toleration with an unknown field): retrying
+            # every 5 s would loop for ever and say nothing. Both back off like a refusal.
+            refused = 400 <= exc.status < 500 and exc.status not in (408, 429) and not _terminating(exc)
+            if refused or exc.status == 500:
                 raise RefusedChild(obj["kind"], obj["metadata"]["name"], exc.status, _api_message(exc)) from None
             raise
 
-    def _refused(self, rljob: dict[str, Any], status: dict[str, Any], refused: RefusedChild) -> float:
-        """Say on the RLJob what the API server refused (condition, one event per new message)
-        and look again later, backing off: other RLJobs keep being served meanwhile."""
+    def _refused(self, rljob: dict[str, Any], status: dict[str, Any], refused: RefusedChild, version: str) -> float:
+        """Say on the RLJob what the API server refused (condition, one event per new message;
+        nothing written when the status says so already) and look again later, backing off:
+        other RLJobs keep being served meanwhile. ``status`` is what the pass wrote, at ``version``."""
         meta = rljob["metadata"]
         key = (meta["namespace"], meta["name"])
-        attempts = self.refusals.get(key, (0, ""))[0] + 1
+        attempts = self.refusals[key] = self.refusals.get(key, 0) + 1
         message = str(refused)
-        fresh = dict(status)
-        fresh["conditions"] = [dict(c) for c in status.get("conditions", [])]
-        _set_refusal(fresh, message)
-        fresh["message"] = f"the API server refused a child: {message}"
+        fresh = _with_refusal(status, message)
         self.metrics.errors.inc()
-        try:
-            current = self.kube.get("RLJob", *key)
-            if current is not None:
-                old = current.get("status") or {}
-                self.kube.patch_status(*key, merge_patch(old, fresh), current["metadata"]["resourceVersion"])
-        except Conflict:
-            pass  # the RLJob changed: the next pass reads it again
-        if self.refusals.get(key, (0, ""))[1] != message:
+        if _normalised(fresh) != _normalised(status):
+            with contextlib.suppress(Conflict):  # the RLJob changed: the next pass reads it again
+                self.kube.patch_status(*key, merge_patch(status, fresh), version)
+        if refusal_message(rljob.get("status") or {}) != message:
             self._event(rljob, "Warning", "ChildRefused", message)
             log.warning("%s/%s: %s", *key, message)
-        self.refusals[key] = (attempts, message)
-        return float(min(REFUSAL_BACKOFF_SECONDS * 2.0 ** (attempts - 1), MAX_REFUSAL_BACKOFF_SECONDS))
+        return backoff(attempts, REFUSAL_BACKOFF_SECONDS, MAX_REFUSAL_BACKOFF_SECONDS)
 
     def _event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         try:
@@ -326,6 +436,15 @@ def _api_message(exc: ApiException) -> str:
         return str(json.loads(exc.body or "")["message"])
     except (TypeError, ValueError, KeyError):
         return str(exc.reason)
+
+
+def _describe_error(exc: BaseException) -> str:
+    """One line for an error of a pass: its type and words, and where it was raised (no traceback)."""
+    if isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError):
+        return f"the API server cannot be reached: {type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _terminating(exc: ApiException) -> bool:
@@ -417,8 +536,10 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
 
     # Async handlers run on the event loop itself (kopf runs sync ones in executor threads).
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    async def rljob_changed(namespace: str | None, name: str, **_: Any) -> None:
-        controller.queue.add((namespace or "default", name))
+    async def rljob_changed(
+        namespace: str | None, name: str, type: str | None, meta: Mapping[str, Any], **_: Any
+    ) -> None:
+        controller.event((namespace or "default", name), meta.get("generation"), deleted=type == "DELETED")
 
     async def child_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         controller.queue.add((namespace or "default", labels[LABEL_RLJOB]))

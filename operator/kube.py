@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
 from rljob_operator.network import with_fresh_key
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
+from rljob_operator.wire import loads
 
 FIELD_MANAGER = MANAGED_BY
 # (connect, read) seconds: a frozen API server must not pin the reconcile workers for ever;
@@ -187,7 +188,7 @@ class Kube:
             if response.status == 409:
                 raise Conflict(f"{method} {path}: {response.data!r}")
             raise ApiException(status=response.status, reason=response.reason, body=response.data)
-        data: Any = json.loads(response.data) if response.data else {}
+        data: Any = loads(response.data) if response.data else {}  # never deeper than wire.MAX_WIRE_DEPTH
         return data
 
     @staticmethod
@@ -311,7 +312,8 @@ class Kube:
         return result
 
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
-        """Create ``obj``; an existing object of the same name is adopted as is. True if created."""
+        """Create ``obj``; an existing object of the same name is left as is if this RLJob owns it
+        (created by an earlier pass, or a restarted operator), else :class:`NotOurs`. True if created."""
         meta = obj["metadata"]
         if obj["kind"] == "Secret":
             return self._create_secret(obj)
@@ -319,7 +321,10 @@ class Kube:
             self._call("create", obj["kind"], "POST", self._path(obj["kind"], meta["namespace"]), body=obj,
                        query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
         except Conflict:
-            return False  # AlreadyExists: created by an earlier pass (or a restarted operator)
+            current = self.get(obj["kind"], meta["namespace"], meta["name"])
+            if current is not None and _owner_uid(current) != _owner_uid(obj):
+                raise NotOurs(obj["kind"], meta["name"], _owner_uid(current)) from None
+            return False
         return True
 
     def _create_secret(self, obj: dict[str, Any]) -> bool:
@@ -359,10 +364,11 @@ class Kube:
             if exc.status != 404:
                 raise
 
-    def patch_status(self, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> None:
-        """Replace the status; ``resource_version`` makes a concurrent change a Conflict."""
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any], resource_version: str) -> str:
+        """Replace the status; ``resource_version`` makes a concurrent change a Conflict. Returns
+        the RLJob's new resourceVersion."""
         body = {"metadata": {"resourceVersion": resource_version}, "status": status}
-        self._call(
+        written: dict[str, Any] = self._call(
             "patch_status",
             KIND,
             "PATCH",
@@ -370,6 +376,7 @@ class Kube:
             body=json.loads(json.dumps(body)),
             content_type="application/merge-patch+json",
         )
+        return str((written.get("metadata") or {}).get("resourceVersion", resource_version))
 
     def event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         meta = rljob["metadata"]

@@ -179,11 +179,32 @@ class Limits:
     network: NetworkSettings = field(default_factory=NetworkSettings)  # the NetworkPolicy (operator/network.py)
 
 
+# Deeper than this is refused before any model reads it: pydantic gives up past about 250 levels
+# (a traceback), Python's JSON reader past about 990 (kopf's watch died); real manifests nest < 15.
+MAX_DEPTH = 64
+
+
+def _check_depth(manifest: dict[str, Any]) -> None:
+    """A PlanError naming where ``manifest`` nests more than :data:`MAX_DEPTH` levels; iterative."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(manifest, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            where = ".".join(path[:4]) + (".…" if len(path) > 4 else "")
+            raise PlanError([FieldError(where, f"nested more than {MAX_DEPTH} levels deep; an RLJob may nest at "
+                                               f"most {MAX_DEPTH}: flatten it")])  # fmt: skip
+        if isinstance(node, dict):
+            stack.extend((v, (*path, str(k))) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, (*path, f"[{i}]")) for i, v in enumerate(node))
+
+
 def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
     """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation."""
     errors: list[FieldError] = []
     if not isinstance(manifest, dict):
         raise PlanError([FieldError("(document)", "an RLJob manifest must be a mapping")])
+    _check_depth(manifest)
     if manifest.get("apiVersion") != f"{GROUP}/{VERSION}":
         errors.append(FieldError("apiVersion", f"must be {GROUP}/{VERSION}, got {manifest.get('apiVersion')!r}"))
     if manifest.get("kind") != KIND:

@@ -13,6 +13,7 @@ from rljob_operator.handlers import Controller, build_registry
 from rljob_operator.kube import Kube, load_client
 from rljob_operator.metrics import Metrics
 from rljob_operator.plan import Limits
+from rljob_operator.wire import tolerate_deep_objects_in_kopf
 
 
 def make_controller(kubeconfig: str | None = None, limits: Limits | None = None) -> Controller:
@@ -30,6 +31,7 @@ async def serve(
     ready_flag: asyncio.Event | threading.Event | None = None,
 ) -> None:
     """Run kopf with this controller's handlers until ``stop_flag`` is set."""
+    tolerate_deep_objects_in_kopf()  # an RLJob nested too deeply for Python's JSON reader cannot end the watch
     await kopf.operator(
         registry=build_registry(controller),
         clusterwide=not namespaces,

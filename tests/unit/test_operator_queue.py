@@ -109,13 +109,14 @@ class _FakeKube:
     def children(self, kind: str, namespace: str, rljob: str) -> list[dict[str, Any]]:
         return []
 
-    def patch_status(self, namespace: str, name: str, patch: dict[str, Any], resource_version: str) -> None:
+    def patch_status(self, namespace: str, name: str, patch: dict[str, Any], resource_version: str) -> str:
         status = self.rljob.setdefault("status", {})
         for key, value in patch.items():
             if value is None:
                 status.pop(key, None)
             else:
                 status[key] = value
+        return "2"
 
     def apply(self, obj: dict[str, Any], live: dict[str, Any] | None = None) -> None:
         if self.refuse is not None:
