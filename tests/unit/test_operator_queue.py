@@ -102,6 +102,7 @@ class _FakeKube:
         self.refuse: int | None = 400
         self.events: list[tuple[str, str, str]] = []
         self.applied: list[str] = []
+        self.patches = 0
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.rljob)
@@ -110,6 +111,7 @@ class _FakeKube:
         return []
 
     def patch_status(self, namespace: str, name: str, patch: dict[str, Any], resource_version: str) -> str:
+        self.patches += 1
         status = self.rljob.setdefault("status", {})
         for key, value in patch.items():
             if value is None:
@@ -134,6 +136,11 @@ class _FakeKube:
         self.events.append((kind, reason, message))
 
 
+def _refusal(rljob: dict[str, Any]) -> dict[str, Any]:
+    (refused,) = [c for c in rljob["status"]["conditions"] if c["type"] == "ReconcileError"]
+    return refused
+
+
 def test_a_child_the_api_server_refuses_is_said_on_the_rljob_with_backoff() -> None:
     # A 4xx on a child we render is never transient: it used to be retried every 5 s for ever
     # with nothing on the RLJob. Now: a condition with the server's words, one event, backoff.
@@ -141,8 +148,13 @@ def test_a_child_the_api_server_refuses_is_said_on_the_rljob_with_backoff() -> N
     rljob["metadata"] = {"name": "demo", "namespace": "ml", "uid": "u", "generation": 1, "resourceVersion": "1"}
     kube = _FakeKube(rljob)
     controller = Controller(kube=kube, metrics=Metrics())  # type: ignore[arg-type]
-    delays = [controller.reconcile_one("ml", "demo") for _ in range(3)]
+    delays = [controller.reconcile_one("ml", "demo")]
+    written, stamp = kube.patches, _refusal(kube.rljob)["lastTransitionTime"]
+    delays += [controller.reconcile_one("ml", "demo") for _ in range(2)]
     assert delays == [5.0, 10.0, 20.0]
+    # Passes that are refused the same way write nothing (each write was a watch event that
+    # queued the next pass at once), and the condition does not flap.
+    assert kube.patches == written and _refusal(kube.rljob)["lastTransitionTime"] == stamp
     (refused,) = [c for c in kube.rljob["status"]["conditions"] if c["type"] == "ReconcileError"]
     assert refused["status"] == "True" and refused["reason"] == "ChildRefused"
     assert "HTTP 400" in refused["message"] and "bad bytes" in refused["message"]
