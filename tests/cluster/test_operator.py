@@ -392,8 +392,14 @@ def test_an_emoji_in_a_spec_string_reaches_running(cluster: Cluster, namespace: 
 def test_a_child_the_api_server_refuses_is_a_condition_not_silence(
     cluster: Cluster, namespace: str, operator: RunningOperator
 ) -> None:
-    # An invalid label value in nodeSelector: the API server refuses the pod templates (422).
-    create(cluster, namespace, rljob("poison", scheduling={"nodeSelector": {"pool": "not a label value!"}}))
+    # A ResourceQuota of no StatefulSets: the API server refuses the rollout StatefulSet (403),
+    # whatever admission checks (an invalid nodeSelector value, the 422 this used, is refused by
+    # plan now). The quota is lifted before the healthy RLJob below.
+    core = client.CoreV1Api(cluster.api)
+    quota = {"metadata": {"name": "no-sts"}, "spec": {"hard": {"count/statefulsets.apps": "0"}}}
+    core.create_namespaced_resource_quota(namespace, quota)
+    wait_for("the quota counted", lambda: core.read_namespaced_resource_quota("no-sts", namespace).status.hard)
+    create(cluster, namespace, rljob("poison"))
 
     def refused() -> Any:
         status = get(cluster, namespace, "poison").get("status") or {}
@@ -401,8 +407,9 @@ def test_a_child_the_api_server_refuses_is_a_condition_not_silence(
         return c if c and c["status"] == "True" else None
 
     c = wait_for("ReconcileError=True", refused)
-    assert c["reason"] == "ChildRefused" and "HTTP 422" in c["message"] and "nodeSelector" in c["message"], c
+    assert c["reason"] == "ChildRefused" and "HTTP 403" in c["message"] and "exceeded quota" in c["message"], c
     assert "ChildRefused" in events(cluster, namespace, "poison")
+    core.delete_namespaced_resource_quota("no-sts", namespace)
     # The operator keeps serving the others.
     create(cluster, namespace, rljob("healthy"))
     wait_for("healthy Running", phase_is(cluster, namespace, "healthy", "Running"))
