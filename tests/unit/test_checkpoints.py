@@ -3,10 +3,12 @@ fallback past unreadable ones, and every failure one line (tiny model, one proce
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from test_train import _merge, small
 
@@ -100,3 +102,95 @@ def test_a_binary_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "cannot read the config" in err and "Traceback" not in err
+
+
+# -- no checkpoint lost (issue 21, item 9), on every engine -----------------------------------
+
+ENGINES = ["fsdp:d1", "archon:d1", "megatron:d1"]
+
+
+def _run(ckpt: Path, backend: str, steps: int, *, keep: int = 5, lines: list[str] | None = None) -> Any:
+    raw = _merge(small(ckpt), {"actor": {"backend": backend}, "trainer": {"keepCheckpoints": keep}})
+    raw["checkpoint"]["intervalSteps"] = 1
+    log = lines.append if lines is not None else (lambda _: None)
+    trainer = Trainer(C.validate(raw, overrides={"trainer.steps": steps}), log=log)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+
+
+def _step_dirs(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.glob("step-*"))
+
+
+def _tear(step_dir: Path) -> None:
+    """What a crash or a full disk leaves: every file of the checkpoint cut short."""
+    for f in step_dir.iterdir():
+        f.write_bytes(f.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_keep_one_after_a_fallback_loses_no_checkpoint(tmp_path: Path, backend: str) -> None:
+    """Good step-2, torn step-4, keepCheckpoints 1: the run falls back to step-2, trains and
+    saves step-3; pruning by step number alone kept the torn step-4 and deleted both good ones."""
+    ckpt = tmp_path / "ckpt"
+    _run(ckpt, backend, steps=4)
+    for gone in ("step-00000001", "step-00000003"):
+        shutil.rmtree(ckpt / gone)
+    _tear(ckpt / "step-00000004")
+    assert (ckpt / "latest").read_text().strip() == "step-00000004"
+
+    lines: list[str] = []
+    summary = _run(ckpt, backend, steps=3, keep=1, lines=lines)
+    assert summary.start_step == 2 and [r.step for r in summary.records] == [3], lines
+    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert latest.name == "step-00000003" and latest.is_dir()
+    # The torn one is gone; the one just committed and the one resumed from are kept.
+    assert _step_dirs(ckpt) == ["step-00000002", "step-00000003"]
+
+    lines = []
+    again = _run(ckpt, backend, steps=4, keep=1, lines=lines)  # a second resume works
+    assert again.start_step == 3, lines
+    assert any(line.startswith(f"resumed from {latest}") for line in lines), lines
+    assert _step_dirs(ckpt) == ["step-00000003", "step-00000004"]
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+@pytest.mark.parametrize("damage", ["empty-step-directory", "state-of-empty-dicts"])
+def test_an_empty_newest_checkpoint_falls_back_like_a_torn_one(tmp_path: Path, backend: str, damage: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    _run(ckpt, backend, steps=2)
+    newest = ckpt / "step-00000002"
+    if damage == "empty-step-directory":
+        shutil.rmtree(newest)
+        newest.mkdir()
+    else:
+        # The file holding the model state: one per process (megatron) or one for all (fsdp, archon).
+        (state,) = [f for f in newest.iterdir() if "-rank" not in f.name or "megatron" in f.name]
+        torch.save({"model": {}, "optim": {}} if "megatron" not in state.name else {}, state)
+    lines: list[str] = []
+    summary = _run(ckpt, backend, steps=3, lines=lines)
+    assert summary.start_step == 1, lines
+    assert any(str(newest) in line and "trying an older one" in line for line in lines), lines
+    assert (ckpt / "latest").read_text().strip() == "step-00000003"
+
+
+PRUNE = [
+    # steps, keep, committed, protected, unreadable -> deleted
+    ([1, 2, 3], 1, 3, {3}, set(), [1, 2]),  # the plain case: newest kept
+    ([2, 3, 4], 1, 3, {3, 2}, {4}, [4]),  # after a fallback: the torn one goes, both good ones stay
+    ([2, 3, 4], 1, 3, {3}, set(), [2, 4]),  # an abandoned step-4 (readable, not resumed) goes first
+    ([1, 2, 3, 4, 5], 2, 5, {5, 3}, {1}, [1, 2, 4]),
+    ([5], 3, 5, {5}, set(), []),
+]
+
+
+@pytest.mark.parametrize(("steps", "keep", "committed", "protected", "unreadable", "deleted"), PRUNE)
+def test_prune_plan(
+    steps: list[int], keep: int, committed: int, protected: set[int], unreadable: set[int], deleted: list[int]
+) -> None:
+    from treetrain.trainer.checkpoints import prune_plan  # here: the module imports without it
+
+    plan = prune_plan(steps, keep=keep, committed=committed, protected=protected, unreadable=unreadable)
+    assert plan == deleted

@@ -19,7 +19,6 @@ from test_train import _merge, small
 
 from treetrain import config as C
 from treetrain.cli import main
-from treetrain.engines.weights import safetensors_problem
 
 
 @pytest.fixture(autouse=True)
@@ -109,6 +108,8 @@ def test_a_damaged_model_safetensors_is_one_line(
 
 
 def test_a_whole_safetensors_file_passes_the_check(model_dir: Path) -> None:
+    from treetrain.engines.weights import safetensors_problem
+
     assert safetensors_problem(model_dir / "model.safetensors") is None
 
 
@@ -195,14 +196,19 @@ def test_a_checkpoint_dir_below_a_file_fails_before_any_step(
 
 # -- task modules ---------------------------------------------------------------------------
 
-# An episode that answers with ``PROMPT`` and ``REPLY`` (each a Python expression), in a task of
-# vocab_size 512; what each case breaks is spliced in.
+# An episode that answers with ``prompt`` and ``reply`` (each a Python expression; ``self.turns``
+# counts the replies), in a task of vocab_size 512; what each case breaks is spliced in. Every
+# episode ends after its first reply on today's code too, so a check that is missing fails the
+# test instead of running for ever.
 TASK = """\
 class Episode:
+    turns = 0
+
     def prompt(self):
         return {prompt}
 
     def respond(self, response):
+        self.turns += 1
         return {reply}
 
 
@@ -234,7 +240,10 @@ TASKS = {
     "string-reward": (_task(reply="(None, '1.0')"), "returned the reward str '1.0'"),
     "empty-prompt": (_task(prompt="[]"), "returned an empty prompt"),
     "nan-reward": (_task(reply="(None, float('nan'))"), "returned the reward float nan"),
-    "next-turn-of-floats": (_task(reply="([1.5], 1.0)"), "returned float 1.5 at position 0"),
+    "next-turn-of-floats": (
+        _task(reply="([1.5], 1.0) if self.turns == 1 else (None, 1.0)"),
+        "returned float 1.5 at position 0",
+    ),
     "episode-returns-none": (_task().replace("return Episode()", "return None"), "has no prompt() method"),
 }
 
