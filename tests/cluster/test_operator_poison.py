@@ -111,8 +111,10 @@ def test_rljobs_nested_too_deeply_neither_stop_the_operator_nor_block_others(
         assert "spec.trainerConfig.taskArgs.turns" in valid["message"], valid
         assert "nested more than 64 levels deep" in valid["message"], valid
         assert status["phase"] == "Failed", status
-    # A restart (the Deployment's) lists them again: still alive, still serving.
+    # A restart (the Deployment's) lists them again: still alive, still serving. It stops on
+    # SIGTERM (one restart of the old operator ignored it for 60 s and had to be killed).
     op.stop()
+    assert op.proc is not None and op.proc.returncode == 0, op.output()[-3000:]
     op.start()
     create_small("treetrain.dev", "v1alpha1", namespace, "rljobs", rljob("after-restart", **SMALL))
     wait_for("after-restart Running", phase_is(cluster, namespace, "after-restart", "Running"), timeout=240)
