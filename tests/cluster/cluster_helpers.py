@@ -7,6 +7,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -130,3 +131,36 @@ def gpu_room(api: Any, gpus: int, prefix: str, cidr_offset: int) -> Iterator[Non
     finally:
         for name in extra:
             core.delete_node(name)
+
+
+@contextlib.contextmanager
+def scratch_namespace(api: Any, prefix: str) -> Iterator[str]:
+    """A fresh namespace ``PREFIX-<random>``, deleted afterwards (without waiting)."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name)
+
+
+@contextlib.contextmanager
+def operator_account(
+    api: Any, admin_kubeconfig: Path, prefix: str, rules: list[dict[str, Any]], path: Path
+) -> Iterator[Path]:
+    """``service_account_kubeconfig`` under a fresh name ``PREFIX-<random>`` (namespace, account and
+    ClusterRole), so test modules never collide; all three are deleted afterwards."""
+    from kubernetes import client
+
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    service_account_kubeconfig(api, admin_kubeconfig, name, name, rules, path)
+    try:
+        yield path
+    finally:
+        rbac = client.RbacAuthorizationV1Api(api)
+        rbac.delete_cluster_role_binding(name)
+        rbac.delete_cluster_role(name)
+        client.CoreV1Api(api).delete_namespace(name)

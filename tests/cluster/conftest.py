@@ -14,12 +14,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cluster_helpers import scratch_namespace
 from kubernetes import client, config
 
 HERE = Path(__file__).resolve().parent
@@ -88,11 +88,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture
 def namespace(cluster: Cluster) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards (without waiting)."""
-    core = client.CoreV1Api(cluster.api)
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    yield name
-    core.delete_namespace(name)
+    with scratch_namespace(cluster.api, "t") as name:
+        yield name
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from cluster_helpers import service_account_kubeconfig, wait_for
+from cluster_helpers import operator_account, scratch_namespace, wait_for
 from kubernetes import client
 from netpol_eval import Pod, admitted
 
@@ -43,11 +42,8 @@ PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
 @pytest.fixture(scope="module")
 def monitoring(cluster: Cluster) -> Iterator[str]:
     """The namespace Prometheus runs in (its name is its kubernetes.io/metadata.name label)."""
-    core = client.CoreV1Api(cluster.api)
-    name = f"mon-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-    yield name
-    core.delete_namespace(name)
+    with scratch_namespace(cluster.api, "mon") as name:
+        yield name
 
 
 @pytest.fixture(scope="module")
@@ -57,25 +53,24 @@ def operator(cluster: Cluster, monitoring: str, tmp_path_factory: pytest.TempPat
     path = ROOT / "crds" / "rljob.yaml"
     cluster.run("kubectl", "apply", "--server-side", "-f", str(path))
     cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-    kubeconfig = service_account_kubeconfig(
-        cluster.api, cluster.kubeconfig, "rljob-system", "rljob-operator", RULES,
-        tmp_path_factory.mktemp("netpol") / "kubeconfig",
-    )  # fmt: skip
     peer = {
         "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": monitoring}},
         "podSelector": {"matchLabels": PROMETHEUS_LABELS},
     }
-    controller = make_controller(str(kubeconfig), Limits(network=NetworkSettings(metrics_from=peer)))
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=lambda: asyncio.run(serve(controller, namespaces=[], stop_flag=stop, ready_flag=ready)), daemon=True
-    )
-    thread.start()
-    assert ready.wait(120), "the operator did not become ready in 120 s"
-    yield
-    stop.set()
-    thread.join(60)
-    assert not thread.is_alive(), "the operator did not stop in 60 s"
+    with operator_account(cluster.api, cluster.kubeconfig, "rljob-netpol", RULES,
+                          tmp_path_factory.mktemp("netpol") / "kubeconfig") as kubeconfig:  # fmt: skip
+        controller = make_controller(str(kubeconfig), Limits(network=NetworkSettings(metrics_from=peer)))
+        stop, ready = threading.Event(), threading.Event()
+        thread = threading.Thread(
+            target=lambda: asyncio.run(serve(controller, namespaces=[], stop_flag=stop, ready_flag=ready)),
+            daemon=True,
+        )
+        thread.start()
+        assert ready.wait(120), "the operator did not become ready in 120 s"
+        yield
+        stop.set()
+        thread.join(60)
+        assert not thread.is_alive(), "the operator did not stop in 60 s"
 
 
 def _rljob(name: str) -> dict[str, Any]:
@@ -109,9 +104,7 @@ def test_rljob_network_policy_admits_its_own_pods_and_prometheus_only(
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _rljob(name))
     # Pods that must be refused: unlabelled in the namespace, and a copy of a's labels in another
     # namespace; and Prometheus, which must reach the metrics port only.
-    elsewhere = f"x-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=elsewhere)))
-    try:
+    with scratch_namespace(cluster.api, "x") as elsewhere:
         _pod(core, namespace, "stranger", {})
         _pod(core, monitoring, "prometheus", PROMETHEUS_LABELS)
 
@@ -164,8 +157,6 @@ def test_rljob_network_policy_admits_its_own_pods_and_prometheus_only(
                 assert not ok(src, dst, port), f"{src.namespace}/{src.name} reaches {dst.name}:{port}"
         # And the other way round: a cannot reach b's servers.
         assert not ok(a["actor"], b["rollout"], SERVER_PORT)
-    finally:
-        core.delete_namespace(elsewhere)
 
 
 def test_rljob_api_key_secret_is_random_owned_referenced_and_never_rewritten(

@@ -15,14 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from cluster_helpers import free_port, gpu_room, http_get, service_account_kubeconfig, wait_for
+from cluster_helpers import free_port, gpu_room, http_get, operator_account, wait_for
 from kubernetes import client
 from test_operator import FAIL, ROOT, cond, create, custom, get, label_pods, phase_is, rljob, trainer_selector
 
@@ -49,14 +48,9 @@ def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     """A kubeconfig with the token of a ServiceAccount bound to the operator's rules only."""
     cluster.run("kubectl", "apply", "--server-side", "-f", str(ROOT / "crds" / "rljob.yaml"))
     cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-    name = f"rljob-faults-{uuid.uuid4().hex[:6]}"
     path = tmp_path_factory.mktemp("faults") / "kubeconfig"
-    service_account_kubeconfig(cluster.api, cluster.kubeconfig, name, name, RULES, path)
-    core, rbac = client.CoreV1Api(cluster.api), client.RbacAuthorizationV1Api(cluster.api)
-    yield path
-    rbac.delete_cluster_role_binding(name)
-    rbac.delete_cluster_role(name)
-    core.delete_namespace(name)
+    with operator_account(cluster.api, cluster.kubeconfig, "rljob-faults", RULES, path):
+        yield path
 
 
 @pytest.fixture(scope="module")

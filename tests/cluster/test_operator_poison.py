@@ -46,6 +46,19 @@ def is_true(status: dict[str, Any], kind: str) -> bool:
     return c is not None and c["status"] == "True"
 
 
+def create_and_wait_refused(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """Create a small RLJob and wait for its ``ReconcileError=True``; return its status."""
+    client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
+        "treetrain.dev", "v1alpha1", namespace, "rljobs", rljob(name, **SMALL)
+    )
+
+    def refused() -> dict[str, Any] | None:
+        status = get(cluster, namespace, name).get("status") or {}
+        return status if is_true(status, "ReconcileError") else None
+
+    return wait_for("ReconcileError=True", refused, timeout=120)
+
+
 def deep_manifest(name: str, levels: int) -> str:
     """A small RLJob whose trainerConfig.taskArgs.turns nests ``levels`` levels deep, as JSON
     text (Python's own JSON writer cannot write it)."""
@@ -134,11 +147,7 @@ def test_a_refused_child_costs_what_the_backoff_says(
     )
     wait_for("the quota counted", lambda: (core.read_namespaced_resource_quota("no-sts", namespace).status.hard
                                            or None), timeout=60)  # fmt: skip
-    client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
-        "treetrain.dev", "v1alpha1", namespace, "rljobs", rljob("refused", **SMALL)
-    )
-    status = wait_for("ReconcileError=True", lambda: is_true(s := get(cluster, namespace, "refused").get("status")
-                      or {}, "ReconcileError") and s, timeout=120)  # fmt: skip
+    status = create_and_wait_refused(cluster, namespace, "refused")
     first = condition(status, "ReconcileError")
     assert first is not None and "StatefulSet refused-rollout" in first["message"], first
     assert "exceeded quota" in first["message"], first
@@ -183,11 +192,7 @@ def test_a_foreign_job_at_the_trainer_name_is_a_reconcile_error(
             },
         },
     )
-    client.CustomObjectsApi(cluster.api).create_namespaced_custom_object(
-        "treetrain.dev", "v1alpha1", namespace, "rljobs", rljob("clash", **SMALL)
-    )
-    status = wait_for("ReconcileError=True", lambda: is_true(s := get(cluster, namespace, "clash").get("status")
-                      or {}, "ReconcileError") and s, timeout=120)  # fmt: skip
+    status = create_and_wait_refused(cluster, namespace, "clash")
     c = condition(status, "ReconcileError")
     assert c is not None and "Job clash-trainer already exists" in c["message"], c
     assert "clash-trainer" in status["message"], status
