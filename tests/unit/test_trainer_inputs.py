@@ -279,3 +279,24 @@ def test_a_good_user_task_keeps_its_own_attributes(tmp_path: Path, monkeypatch: 
     assert task.turns == 7  # type: ignore[attr-defined]  # the task's own attribute, through the check
     episode = task.episode(0)
     assert episode.prompt() == [1, 9, 10] and episode.respond([3]) == (None, 1.0)
+
+
+@pytest.mark.slow
+def test_a_foreign_checkpoint_file_on_one_rank_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    """torchrun, 2 CPU ranks: rank 1's metadata file is a list. Every rank stops with the same
+    line (no rank left waiting in a collective for the one that stopped)."""
+    from test_train import torchrun
+
+    raw = _merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 1}})
+    config = tmp_path / "c.yaml"
+    first = torchrun(raw, config)
+    assert first.returncode == 0, first.stderr[-3000:]
+    meta = tmp_path / "ckpt" / "step-00000001" / "actor-rank1.pt"
+    torch.save([1, 2], meta)
+    second = torchrun(raw, config, "--steps", "2", restart=1)
+    assert second.returncode != 0
+    errors = [line for line in second.stderr.splitlines() if line.startswith("treetrain train: error: ")]
+    assert errors and all(f"{meta} is not a checkpoint file" in line for line in errors), second.stderr[-3000:]
+    assert second.stderr.count("exitcode  : 2") == 2, second.stderr[-3000:]  # torchrun's summary: both ranks
+    assert "treetrain/" not in second.stderr.replace(str(tmp_path), ""), second.stderr[-3000:]  # no frame of ours
+    assert "step 2/2" not in second.stdout

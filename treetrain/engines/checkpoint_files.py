@@ -94,6 +94,20 @@ def check_meta(meta: Mapping[str, Any], file: Path) -> None:
         raise _foreign(file, f"bad torch RNG state: {first_line(err)}") from None
 
 
+def agree(problem: Exception | None, world_size: int) -> None:
+    """Every rank raises the first rank's ``problem`` (None: no problem anywhere), before a
+    collective read: a rank that found its own file torn or foreign must not leave the others
+    waiting in that read for it. One all-gather; nothing with one process."""
+    if world_size > 1:
+        import torch.distributed as dist
+
+        found: list[Any] = [None] * world_size
+        dist.all_gather_object(found, problem)
+        problem = next((p for p in found if p is not None), None)
+    if problem is not None:
+        raise problem
+
+
 def restore_rng(meta: Mapping[str, Any]) -> None:
     """Apply the RNG state :func:`check_meta` checked."""
     rng = meta["rng"]

@@ -231,17 +231,24 @@ class Trainer:
 
     def _load(self, path: Path) -> str | None:
         """Load ``path`` into every engine; the reason it could not be read (on any rank), or None."""
-        problem = ""
+        problem = fatal = ""  # fatal: a checkpoint no older one makes right (another model, a foreign file)
         try:
             self.actor.load(path)
             if self.critic is not None:
                 self.critic.load(path)
         except CheckpointUnreadableError as err:
             problem = str(err)
-        if self.layout.world_size > 1:  # every rank must resume from the same step
-            problems: list[Any] = [None] * self.layout.world_size
-            dist.all_gather_object(problems, problem)
-            problem = next((p for p in problems if p), "")
+        except (EngineConfigError, FileNotFoundError) as err:
+            if self.layout.world_size == 1:
+                raise
+            fatal = str(err)
+        if self.layout.world_size > 1:  # every rank must resume from the same step, or stop with the same line
+            found: list[Any] = [None] * self.layout.world_size
+            dist.all_gather_object(found, (problem, fatal))
+            fatal = next((f for _, f in found if f), "")
+            if fatal:
+                raise EngineConfigError(fatal)
+            problem = next((p for p, _ in found if p), "")
         return problem or None
 
     def _barrier(self) -> None:

@@ -402,14 +402,19 @@ class ArchonEngine(Engine):
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-        own = files.own_file(path, f"{self.role}-rank{self.layout.rank}.pt", "a different number of ranks")
-        meta = files.read(own)
-        if meta.get("model", self.settings.path) != self.settings.path or meta.get("engine") != "archon":
-            raise EngineConfigError(
-                f"checkpoint {path} was written for model {meta.get('model')!r} by the {meta.get('engine', 'fsdp')} "
-                f"engine, but this run trains {self.settings.path!r} with archon; fix: give this run a new checkpoint.dir"
-            )
-        files.check_meta(meta, own)
+        problem: Exception | None = None
+        try:  # this rank's own file first; every rank learns of a problem before the collective read
+            own = files.own_file(path, f"{self.role}-rank{self.layout.rank}.pt", "a different number of ranks")
+            meta = files.read(own)
+            if meta.get("model", self.settings.path) != self.settings.path or meta.get("engine") != "archon":
+                raise EngineConfigError(
+                    f"checkpoint {path} was written for model {meta.get('model')!r} by the {meta.get('engine', 'fsdp')} "
+                    f"engine, but this run trains {self.settings.path!r} with archon; fix: give this run a new checkpoint.dir"
+                )
+            files.check_meta(meta, own)
+        except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
+            problem = err
+        files.agree(problem, self.layout.world_size)
         try:
             if self.layout.world_size > 1:
                 state = self._state()

@@ -408,27 +408,32 @@ class MegatronEngine(Engine):
             dist.barrier()
 
     def load(self, path: Path) -> dict[str, Any]:
-        own = files.own_file(path, self._own_file(path).name, "another layout or engine")
-        state = files.read(own, map_location=self.layout.device)
-        if state.get("model_path") != self.settings.path or state.get("layout") != str(self.layout.allocation):
-            raise EngineConfigError(
-                f"checkpoint {path} was written for {state.get('model_path')!r} on {state.get('layout')!r}, but this "
-                f"run trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
-                "checkpoint.dir (or restore the old settings)"
-            )
-        files.check_meta(state, own)
-        files.check_state(state, own, optimizer=self.optimizer is not None)
-        try:
-            self.model.load_state_dict(state["model"])
-            if self.optimizer is not None:
-                self.optimizer.load_state_dict(state["optim"])
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise EngineConfigError(
-                f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
-                "new checkpoint.dir if that checkpoint belongs to another model or layout"
-            ) from None
-        self.steps = int(state["steps"])
-        files.restore_rng(state)
+        problem: Exception | None = None
+        try:  # this rank's own file; every rank learns of a problem before the sampler's collective
+            own = files.own_file(path, self._own_file(path).name, "another layout or engine")
+            state = files.read(own, map_location=self.layout.device)
+            if state.get("model_path") != self.settings.path or state.get("layout") != str(self.layout.allocation):
+                raise EngineConfigError(
+                    f"checkpoint {path} was written for {state.get('model_path')!r} on {state.get('layout')!r}, but this "
+                    f"run trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
+                    "checkpoint.dir (or restore the old settings)"
+                )
+            files.check_meta(state, own)
+            files.check_state(state, own, optimizer=self.optimizer is not None)
+            try:
+                self.model.load_state_dict(state["model"])
+                if self.optimizer is not None:
+                    self.optimizer.load_state_dict(state["optim"])
+            except (RuntimeError, KeyError, ValueError) as err:
+                raise EngineConfigError(
+                    f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
+                    "new checkpoint.dir if that checkpoint belongs to another model or layout"
+                ) from None
+            self.steps = int(state["steps"])
+            files.restore_rng(state)
+        except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
+            problem = err
+        files.agree(problem, self.layout.world_size)
         self._refresh_sampler()
         extra: dict[str, Any] = state["extra"]
         return extra
