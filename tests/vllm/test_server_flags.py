@@ -23,7 +23,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 flags = {"vllm": sorted(s for a in make_arg_parser(FlexibleArgumentParser())._actions for s in a.option_strings)}
 for missing in ("orjson", "IPython", "IPython.display"):
-    sys.modules.setdefault(missing, types.ModuleType(missing))
+    stub = sys.modules.setdefault(missing, types.ModuleType(missing))
+    stub.HTML = stub.display = None  # names sglang.utils imports; never called here
 from sglang.srt.server_args import ServerArgs
 parser = argparse.ArgumentParser()
 ServerArgs.add_cli_args(parser)
@@ -45,11 +46,15 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def pinned_flags() -> dict[str, set[str]]:
+def pinned_flags(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     python = venv_python()
     if python is None:
         pytest.fail(f"the vLLM venv is not built: {BUILD_HINT}", pytrace=False)
-    out = subprocess.run([str(python), "-c", PARSERS], capture_output=True, text=True, timeout=600)
+    # Not from the repository root: `python -c` puts the working directory first on sys.path, where
+    # our operator/ folder would shadow the standard library's operator module.
+    out = subprocess.run(
+        [str(python), "-c", PARSERS], capture_output=True, text=True, timeout=600, cwd=tmp_path_factory.mktemp("flags")
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return {k: set(v) for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
 
