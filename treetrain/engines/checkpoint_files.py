@@ -115,3 +115,27 @@ def restore_rng(meta: Mapping[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def read_state(path: Path, role: str, world_size: int, empty: dict[str, Any], *, optimizer: bool) -> dict[str, Any]:
+    """The model (and optimizer) state of ``role`` in checkpoint ``path``: a DCP read into ``empty``
+    (this process's sharded state, filled in place) across ranks, or the one file of a single process."""
+    if world_size > 1:
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+        try:
+            dcp_load(empty, checkpoint_id=str(path / role))
+        except Exception as err:  # DCP wraps every rank's read error in its own exception type
+            raise CheckpointUnreadableError(f"{path / role} cannot be read: {first_line(err)}") from None
+        return empty
+    state = read(path / f"{role}.pt")
+    check_state(state, path / f"{role}.pt", optimizer=optimizer)
+    return state
+
+
+def cannot_resume(role: str, path: Path, err: BaseException) -> EngineConfigError:
+    """A state that does not fit this model or layout (a shape or key mismatch), with the fix."""
+    return EngineConfigError(
+        f"cannot resume the {role} from checkpoint {path}: {first_line(err)}; fix: give this run a "
+        "new checkpoint.dir if that checkpoint belongs to another model or layout"
+    )

@@ -400,7 +400,6 @@ class ArchonEngine(Engine):
 
     def load(self, path: Path) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         problem: Exception | None = None
         try:  # this rank's own file first; every rank learns of a problem before the collective read
@@ -416,17 +415,10 @@ class ArchonEngine(Engine):
             problem = err
         files.agree(problem, self.layout.world_size)
         try:
-            if self.layout.world_size > 1:
-                state = self._state()
-                try:
-                    dcp_load(state, checkpoint_id=str(path / self.role))
-                except Exception as err:  # DCP wraps every rank's read error in its own exception type
-                    raise CheckpointUnreadableError(
-                        f"{path / self.role} cannot be read: {files.first_line(err)}"
-                    ) from None
-            else:
-                state = files.read(path / f"{self.role}.pt")
-                files.check_state(state, path / f"{self.role}.pt", optimizer=self.optimizer is not None)
+            empty = self._state() if self.layout.world_size > 1 else {}
+            state = files.read_state(
+                path, self.role, self.layout.world_size, empty, optimizer=self.optimizer is not None
+            )
             if self.optimizer is None:
                 set_model_state_dict(self.model, state["model"])
             else:
@@ -440,10 +432,7 @@ class ArchonEngine(Engine):
         except (CheckpointUnreadableError, EngineConfigError):
             raise
         except (RuntimeError, KeyError, ValueError) as err:
-            raise EngineConfigError(
-                f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
-                "new checkpoint.dir if that checkpoint belongs to another model or layout"
-            ) from None
+            raise files.cannot_resume(self.role, path, err) from None
         self.steps = int(meta["steps"])
         files.restore_rng(meta)
         self._refresh_sampler()

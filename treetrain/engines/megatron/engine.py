@@ -425,10 +425,7 @@ class MegatronEngine(Engine):
                 if self.optimizer is not None:
                     self.optimizer.load_state_dict(state["optim"])
             except (RuntimeError, KeyError, ValueError) as err:
-                raise EngineConfigError(
-                    f"cannot resume the {self.role} from checkpoint {path}: {files.first_line(err)}; fix: give this run a "
-                    "new checkpoint.dir if that checkpoint belongs to another model or layout"
-                ) from None
+                raise files.cannot_resume(self.role, path, err) from None
             self.steps = int(state["steps"])
             files.restore_rng(state)
         except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
