@@ -11,10 +11,9 @@ checkpoint resumes exactly. The critic (value head, ``t2``: its rows all-gathere
 sequence-parallel region) equals each sequence alone through the backbone and the same head,
 tree and flat; the reference role only runs forwards.
 
-Every worker applies :mod:`megatron_cpu_shim`, a test-only CUDA stand-in used by the MoE cases
-(the router moves its weights to the current CUDA device); the engine has no branch for it.
-Sequence parallel on CPU needs none: the engine points megatron-core's two CUDA-only calls on
-that path at the CPU itself (``parallel.cpu_sequence_parallel``)."""
+No test-only patch: on CPU the engine itself points megatron-core's CUDA-only calls (sequence
+parallel's collectives, the MoE router) at the CPU (``parallel.cpu_adapter``), exactly as
+``treetrain train`` runs there."""
 
 from __future__ import annotations
 
@@ -143,9 +142,6 @@ def _check_critic_and_ref(family: str, backend: str, root: Path) -> None:
 
 
 def _checks(root: str, cases: list[tuple[str, str, Any]]) -> None:
-    import megatron_cpu_shim  # the MoE router's CUDA-only calls (see the module)
-
-    megatron_cpu_shim.apply()
     for family, backend, settings in cases:
         if settings == "critic":
             _check_critic_and_ref(family, backend, Path(root))

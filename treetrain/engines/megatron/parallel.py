@@ -70,28 +70,34 @@ def init_megatron(allocation: Allocation, *, timeout_s: float = 1800.0) -> Megat
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)
-    elif allocation.dims.tp > 1:
-        cpu_sequence_parallel()
+    else:
+        cpu_adapter()
     layout = MegatronLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device, mesh=None)
     _CURRENT.update(group=dist.group.WORLD, allocation=allocation, layout=layout)
     return layout
 
 
-def cpu_sequence_parallel() -> None:
-    """Let megatron-core 0.16.1's sequence-parallel path run in a CPU-only process (gloo):
-    its all-gather and reduce-scatter allocate on ``torch.cuda.current_device()``
-    (``tensor_parallel/mappings.py``, ``layers.py``), which raises without a CUDA driver, and the
-    embedding forks the CUDA RNG tracker around its dropout. The first is pointed at the CPU;
-    the second needs no RNG here: every dropout rate is 0 (``model.transformer_config``)."""
+def cpu_adapter() -> None:
+    """Let megatron-core 0.16.1 run in a CPU-only process (gloo), as `treetrain train` does there:
+    - sequence parallel's all-gather and reduce-scatter (``tensor_parallel/mappings.py``,
+      ``layers.py``) and the MoE router (its weights) go to ``torch.cuda.current_device()``, which
+      raises without a CUDA driver: it is pointed at the CPU;
+    - the embedding forks the CUDA RNG tracker around its dropout: no RNG is needed here, every
+      dropout rate is 0 (``model.transformer_config``);
+    - ``moe_utils`` names ``te_general_gemm`` only when TransformerEngine imports: it is set to
+      None, the value megatron-core checks for, so the MoE path takes its torch route."""
     import contextlib
 
     import torch
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils
 
     if torch.cuda.is_available():
         return
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name="": contextlib.nullcontext()
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def groups() -> dict[str, Any]:
