@@ -23,8 +23,9 @@ def _env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def _train(ckpt: Path, steps: int, lines: list[str] | None = None) -> Any:
-    raw = small(ckpt)
+def _train(ckpt: Path, steps: int, lines: list[str] | None = None, **sections: Any) -> Any:
+    """Train ``steps`` steps of the small config (``sections`` merged in), checkpointing every step."""
+    raw = _merge(small(ckpt), sections)
     raw["checkpoint"]["intervalSteps"] = 1
     log = lines.append if lines is not None else (lambda _: None)
     trainer = Trainer(C.validate(raw, overrides={"trainer.steps": steps}), log=log)
@@ -110,14 +111,7 @@ ENGINES = ["fsdp:d1", "archon:d1", "megatron:d1"]
 
 
 def _run(ckpt: Path, backend: str, steps: int, *, keep: int = 5, lines: list[str] | None = None) -> Any:
-    raw = _merge(small(ckpt), {"actor": {"backend": backend}, "trainer": {"keepCheckpoints": keep}})
-    raw["checkpoint"]["intervalSteps"] = 1
-    log = lines.append if lines is not None else (lambda _: None)
-    trainer = Trainer(C.validate(raw, overrides={"trainer.steps": steps}), log=log)
-    try:
-        return trainer.run()
-    finally:
-        trainer.close()
+    return _train(ckpt, steps, lines, actor={"backend": backend}, trainer={"keepCheckpoints": keep})
 
 
 def _step_dirs(ckpt: Path) -> list[str]:
