@@ -31,7 +31,7 @@ from rljob_operator.kube import Conflict, Kube, NotOurs, stamped, unchanged
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY, Limits
-from rljob_operator.reconcile import Decision, Observed, controlled_by, decide, owned, set_condition
+from rljob_operator.reconcile import Decision, Observed, backoff_seconds, controlled_by, decide, owned, set_condition
 
 log = logging.getLogger("rljob_operator")
 
@@ -60,11 +60,6 @@ class RefusedChild(Exception):
     def __init__(self, kind: str, name: str, status: int, message: str) -> None:
         self.kind, self.name, self.status, self.message = kind, name, status, message
         super().__init__(f"{kind} {name}: HTTP {status}: {message}" if status else message)
-
-
-def backoff(attempts: int, base: float, cap: float) -> float:
-    """Delay after the ``attempts``-th failure in a row (1-based): base, 2*base, 4*base, ... cap."""
-    return float(min(base * 2.0 ** max(attempts - 1, 0), cap))
 
 
 def refusal_message(status: Mapping[str, Any]) -> str | None:
@@ -257,7 +252,7 @@ class Controller:
         if failed is not None:
             self.metrics.errors.inc()
             attempts = self.failures[key] = self.failures.get(key, 0) + 1
-            delay = backoff(attempts, ERROR_BACKOFF_SECONDS, MAX_ERROR_BACKOFF_SECONDS)
+            delay = backoff_seconds(attempts, ERROR_BACKOFF_SECONDS, MAX_ERROR_BACKOFF_SECONDS)
             log.warning("reconciling %s/%s failed: %s; retrying in %.0f s", *key, failed, delay)
             self.queue.hold(key, delay)
             return
@@ -421,7 +416,7 @@ class Controller:
         if refusal_message(rljob.get("status") or {}) != message:
             self._event(rljob, "Warning", "ChildRefused", message)
             log.warning("%s/%s: %s", *key, message)
-        return backoff(attempts, REFUSAL_BACKOFF_SECONDS, MAX_REFUSAL_BACKOFF_SECONDS)
+        return backoff_seconds(attempts, REFUSAL_BACKOFF_SECONDS, MAX_REFUSAL_BACKOFF_SECONDS)
 
     def _event(self, rljob: dict[str, Any], kind: str, reason: str, message: str) -> None:
         try:

@@ -159,9 +159,9 @@ def parse_time(text: str | None) -> datetime | None:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
-def backoff_seconds(restarts: int, base: float) -> float:
-    """Delay before restart ``restarts`` (1-based): base, 2*base, 4*base, ... capped at 5 min."""
-    return min(base * 2.0 ** max(restarts - 1, 0), BACKOFF_MAX_SECONDS)
+def backoff_seconds(attempts: int, base: float, cap: float = BACKOFF_MAX_SECONDS) -> float:
+    """Delay before try ``attempts`` (1-based): base, 2*base, 4*base, ... capped (5 min by default)."""
+    return float(min(base * 2.0 ** max(attempts - 1, 0), cap))
 
 
 def set_condition(
