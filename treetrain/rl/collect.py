@@ -7,6 +7,8 @@ trainer's rank-0 rollout broadcast to every rank, or a client directly).
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +33,7 @@ class Sample:
     tokens: list[int]
     prompt_len: int
     behav_logprobs: list[float]
+    version: int = 0  # the oldest weight version the episode was sampled with, up to this turn
 
 
 @dataclass(slots=True)
@@ -66,14 +69,32 @@ def collect_rollouts(
     turn that could take it past ``trainer.maxEpisodeTokens`` (both counted in the result), and
     a first prompt with no room for a reply is refused."""
     t = settings
-    clock = clock or TaskClock(t.task, t.episode_timeout_seconds)
-    params = SamplingParams(
-        max_new_tokens=task.max_new_tokens,
-        temperature=t.rollout.temperature,
-        top_p=t.rollout.top_p,
-        stop_token_ids=tuple(getattr(task, "stop_token_ids", ())),
+    groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
+    return play_episodes(
+        task, generate, t, step, groups, turn_seed=lambda turn: seed_of(t.seed, step, 1_000_003, turn), clock=clock
     )
-    n = t.groups_per_step * t.group_size
+
+
+def play_episodes(
+    task: Task,
+    generate: Generate,
+    settings: TrainerSettings,
+    step: int,
+    groups: Sequence[int],
+    *,
+    turn_seed: Callable[[int], int],
+    clock: TaskClock | None = None,
+    version: Callable[[], int] | None = None,
+) -> Rollouts:
+    """Play one episode per entry of ``groups`` (its group id; the episode's seed is
+    ``seed_of(seed, step, group)``) turn by turn, all active episodes of a turn in one
+    ``generate`` call seeded ``turn_seed(turn)``: what :func:`collect_rollouts` does for a whole
+    step, and the asynchronous controller for one group. ``version`` gives the weight version
+    a generation without per-token versions was sampled with (read before the call)."""
+    t = settings
+    clock = clock or TaskClock(t.task, t.episode_timeout_seconds)
+    params = sampling_params(task, t)
+    n = len(groups)
     spent = [0.0] * n  # seconds the task's code took per episode
 
     def call(i: int, what: str, fn: Callable[..., _T], *args: Any) -> _T:
@@ -81,7 +102,6 @@ def collect_rollouts(
         spent[i] += took
         return result
 
-    groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
     episodes = [call(i, "episode()", task.episode, seed_of(t.seed, step, g)) for i, g in enumerate(groups)]
     history = [list(call(i, "prompt()", ep.prompt)) for i, ep in enumerate(episodes)]
     for i, prompt in enumerate(history):
@@ -93,16 +113,27 @@ def collect_rollouts(
             )
     totals = [0.0] * n
     turns = [0] * n
+    started = [sys.maxsize] * n  # per episode: the oldest weight version it was sampled with
     capped = {"turns": 0, "tokens": 0}
     active = list(range(n))
     samples: list[Sample] = []
     turn = 0
     while active:
-        gens = generate([history[i] for i in active], params, seed_of(t.seed, step, 1_000_003, turn))
+        now = version() if version is not None else 0
+        gens = generate([history[i] for i in active], params, turn_seed(turn))
         still = []
         for i, gen in zip(active, gens, strict=True):
+            started[i] = min(started[i], min(gen.versions, default=now))
             tokens = history[i] + gen.tokens
-            samples.append(Sample(episode=i, tokens=tokens, prompt_len=len(history[i]), behav_logprobs=gen.logprobs))
+            samples.append(
+                Sample(
+                    episode=i,
+                    tokens=tokens,
+                    prompt_len=len(history[i]),
+                    behav_logprobs=gen.logprobs,
+                    version=started[i],
+                )
+            )
             nxt, reward = call(i, "respond()", episodes[i].respond, list(gen.tokens))
             totals[i] += reward
             turns[i] += 1
@@ -116,7 +147,41 @@ def collect_rollouts(
         turn += 1
     rewards = [total / max(k, 1) for total, k in zip(totals, turns, strict=True)]
     return Rollouts(
-        samples=samples, rewards=rewards, groups=groups, capped_turns=capped["turns"], capped_tokens=capped["tokens"]
+        samples=samples,
+        rewards=rewards,
+        groups=list(groups),
+        capped_turns=capped["turns"],
+        capped_tokens=capped["tokens"],
+    )
+
+
+def sampling_params(task: Task, settings: TrainerSettings) -> SamplingParams:
+    """The sampling parameters of every turn: the task's reply length and stop tokens, the
+    trainer's temperature and top-p."""
+    return SamplingParams(
+        max_new_tokens=task.max_new_tokens,
+        temperature=settings.rollout.temperature,
+        top_p=settings.rollout.top_p,
+        stop_token_ids=tuple(getattr(task, "stop_token_ids", ())),
+    )
+
+
+def merge_rollouts(parts: Sequence[Rollouts]) -> Rollouts:
+    """Several groups' rollouts as one: episode indices renumbered in order, counts summed."""
+    samples: list[Sample] = []
+    rewards: list[float] = []
+    groups: list[int] = []
+    for part in parts:
+        base = len(rewards)
+        samples += [dataclasses.replace(s, episode=base + s.episode) for s in part.samples]
+        rewards += part.rewards
+        groups += part.groups
+    return Rollouts(
+        samples=samples,
+        rewards=rewards,
+        groups=groups,
+        capped_turns=sum(p.capped_turns for p in parts),
+        capped_tokens=sum(p.capped_tokens for p in parts),
     )
 
 
