@@ -1,0 +1,284 @@
+"""A rollout server stand-in: SGLang's HTTP dialect with simulated generation time.
+
+    python bench/rollout_standin.py [--token-delay 0.02] [--vocab 512] [--port 0]
+
+It is NOT SGLang: a threaded stdlib HTTP server on 127.0.0.1 that answers the routes our SGLang
+client calls, so the trainer's asynchronous rollout can be measured and tested on a CPU without a
+GPU server. No model runs: each request sleeps ``token_delay_s`` per token (a condition wait, so
+it costs no CPU and a pause wakes it at once), tokens come from a RNG seeded by the request's
+``sampling_seed`` and prompt length, and every log-prob is ``-log(vocab - first_token)`` (a
+uniform sampler's), which an untrained model's own log-probs are close to.
+
+Routes: ``/health``, ``/health_generate``, ``/model_info`` and ``/get_model_info``
+(``weight_version``: "default" until a load), ``/v1/models`` (so the kind probe says sglang),
+``/generate``, ``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``,
+``/flush_cache``. As SGLang does:
+
+- ``/pause_generation`` ``{"mode": "abort"}`` (the default) ends every in-flight ``/generate`` at
+  once with the tokens it has and ``finish_reason {"type": "abort"}``; other modes (``in_place``,
+  ``retract``) hold in-flight requests until ``/continue_generation`` and then go on;
+- requests that arrive while paused wait for ``/continue_generation``;
+- ``/update_weights_from_disk`` with ``abort_all_requests`` aborts in-flight requests too, and
+  answers ``success: false`` for a path that is not a directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+
+class RolloutStandin:
+    """One stand-in server on 127.0.0.1 (``port`` 0: a free one); serving once constructed.
+
+    ``loads`` lists every accepted weight load as (path, version); ``requests``, ``aborted`` and
+    ``tokens`` count ``/generate`` calls, the aborted ones and the tokens returned;
+    :meth:`busy_seconds` is the wall time with at least one request generating."""
+
+    def __init__(
+        self,
+        *,
+        token_delay_s: float = 0.01,
+        vocab: int = 512,
+        first_token: int = 0,
+        seed: int = 0,
+        load_delay_s: float = 0.0,
+        port: int = 0,
+    ) -> None:
+        if not 0 <= first_token < vocab:
+            raise ValueError(f"first_token must be in [0, vocab): got {first_token} with vocab {vocab}")
+        self.token_delay_s = token_delay_s
+        self.vocab, self.first_token, self.seed = vocab, first_token, seed
+        self.load_delay_s = load_delay_s
+        self.logprob = -math.log(vocab - first_token)
+        self.weight_version = "default"
+        self.loads: list[tuple[str, str]] = []
+        self.requests = self.aborted = self.tokens = 0
+        self._cond = threading.Condition()
+        self._paused = False
+        self._abort_epoch = 0  # bumped by every abort: a request that saw another epoch stops
+        self._active = 0
+        self._busy_since = 0.0
+        self._busy = 0.0
+        self._closed = False
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="rollout-standin", daemon=True
+        )
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def __enter__(self) -> RolloutStandin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._abort_epoch += 1  # in-flight requests answer now rather than after their delay
+            self._cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+    @property
+    def paused(self) -> bool:
+        with self._cond:
+            return self._paused
+
+    @property
+    def active(self) -> int:
+        """Requests generating right now."""
+        with self._cond:
+            return self._active
+
+    def busy_seconds(self) -> float:
+        with self._cond:
+            return self._busy + (time.monotonic() - self._busy_since if self._active else 0.0)
+
+    def wait_for(self, predicate: Any, timeout: float) -> bool:
+        """Wait (up to ``timeout`` s) until ``predicate(self)`` holds; re-checked on every change
+        of the server's state (a token, a pause, a load), so tests need no sleeps."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
+
+    # -- routes -----------------------------------------------------------------------------
+    def get(self, path: str) -> tuple[int, Any]:
+        if path in ("/health", "/health_generate"):
+            return 200, {}
+        if path in ("/model_info", "/get_model_info"):
+            return 200, {"model_path": "standin", "is_generation": True, "weight_version": self.weight_version}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": "standin", "object": "model"}]}
+        return 404, {"detail": "Not Found"}
+
+    def post(self, path: str, body: Any) -> tuple[int, Any]:
+        body = body if isinstance(body, dict) else {}
+        if path == "/generate":
+            return self._generate(body)
+        if path == "/pause_generation":
+            with self._cond:
+                self._paused = True
+                if body.get("mode", "abort") == "abort":
+                    self._abort_epoch += 1
+                self._cond.notify_all()
+            return 200, {}
+        if path == "/continue_generation":
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+            return 200, {}
+        if path == "/update_weights_from_disk":
+            return self._load(body)
+        if path == "/flush_cache":
+            return 200, {}
+        return 404, {"detail": "Not Found"}
+
+    def _load(self, body: dict[str, Any]) -> tuple[int, Any]:
+        model_path = str(body.get("model_path", ""))
+        if not Path(model_path).is_dir():
+            return 400, {"success": False, "message": f"no model at {model_path!r}", "num_paused_requests": 0}
+        with self._cond:
+            if body.get("abort_all_requests"):
+                self._abort_epoch += 1
+                self._cond.notify_all()
+            deadline = time.monotonic() + self.load_delay_s
+            while (left := deadline - time.monotonic()) > 0 and not self._closed:
+                self._cond.wait(left)
+            version = str(body.get("weight_version") or self.weight_version)
+            self.weight_version = version
+            self.loads.append((model_path, version))
+            self._cond.notify_all()
+        return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def _generate(self, body: dict[str, Any]) -> tuple[int, Any]:
+        prompt = body.get("input_ids")
+        if not isinstance(prompt, list) or not prompt:
+            return 400, {"error": {"message": "input_ids: a non-empty list of token ids is required"}}
+        sp = body.get("sampling_params") or {}
+        n = int(sp.get("max_new_tokens", 16))
+        stops = set(sp.get("stop_token_ids") or ())
+        rng = random.Random(f"{self.seed}:{sp.get('sampling_seed', 0)}:{len(prompt)}")
+        toks: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": n}
+        with self._cond:
+            self.requests += 1
+            while self._paused and not self._closed:  # SGLang queues requests that come while paused
+                self._cond.wait()
+            epoch = self._abort_epoch
+            self._start()
+            try:
+                t = time.monotonic()
+                while len(toks) < n:
+                    t += self.token_delay_s
+                    while self._abort_epoch == epoch and (self._paused or (left := t - time.monotonic()) > 0):
+                        if self._paused:  # in_place / retract: hold, then go on at the same pace
+                            self._cond.wait()
+                            t = time.monotonic() + self.token_delay_s
+                        else:
+                            self._cond.wait(left)
+                    if self._abort_epoch != epoch:
+                        finish = {"type": "abort", "message": "Abort in waiting queue" if not toks else "Abort"}
+                        self.aborted += 1
+                        break
+                    tok = rng.randrange(self.first_token, self.vocab)
+                    toks.append(tok)
+                    self.tokens += 1
+                    if tok in stops:
+                        finish = {"type": "stop", "matched": tok}
+                        break
+            finally:
+                self._stop()
+            version = self.weight_version
+        meta = {
+            "id": f"standin-{self.requests}",
+            "finish_reason": finish,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(toks),
+            "weight_version": version,
+            "output_token_logprobs": [[self.logprob, t, None] for t in toks],
+        }
+        return 200, {"text": "", "output_ids": toks, "meta_info": meta}
+
+    def _start(self) -> None:
+        if self._active == 0:
+            self._busy_since = time.monotonic()
+        self._active += 1
+
+    def _stop(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._busy += time.monotonic() - self._busy_since
+        self._cond.notify_all()
+
+
+def _handler(standin: RolloutStandin) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _reply(self, status: int, body: Any) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._reply(*standin.get(self.path))
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            try:
+                body = json.loads(self.rfile.read(length)) if length else None
+            except ValueError:
+                self._reply(400, {"error": {"message": "the body is not JSON"}})
+                return
+            self._reply(*standin.post(self.path, body))
+
+    return Handler
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--token-delay", type=float, default=0.02, help="seconds per generated token")
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--first-token", type=int, default=0, help="lowest token id generated")
+    ap.add_argument("--load-delay", type=float, default=0.0, help="seconds a weight load takes")
+    ap.add_argument("--port", type=int, default=0)
+    args = ap.parse_args()
+    standin = RolloutStandin(
+        token_delay_s=args.token_delay,
+        vocab=args.vocab,
+        first_token=args.first_token,
+        load_delay_s=args.load_delay,
+        port=args.port,
+    )
+    print(f"rollout stand-in (SGLang dialect) on {standin.url}; Ctrl-C stops it", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        standin.close()
+
+
+if __name__ == "__main__":
+    main()
