@@ -349,3 +349,14 @@ def test_rljob_plan_lists_every_problem_with_path_and_fix(tmp_path: Path, capsys
     path.write_text(yaml.safe_dump(body))
     assert main(["plan", str(path)]) == 2
     assert "  - spec.additionalRollouts[0].name: StatefulSet" in capsys.readouterr().err
+
+
+def test_asynchronous_rollout_without_rollout_servers_is_refused_at_admission() -> None:
+    """trainer.rollout.maxStaleness >= 1 needs servers: an RLJob with no rollout engine (local
+    rollout in the trainer) is refused with the key's path and the fix, before any pod exists."""
+    body = manifest(trainerConfig={"rollout": {"maxStaleness": 2}})
+    del body["spec"]["rollout"]
+    found = dict(problems(body))
+    assert "needs rollout servers" in found["spec.trainerConfig.rollout.maxStaleness"]
+    assert "fix: set it to 0, or add rollout.servers" in found["spec.trainerConfig.rollout.maxStaleness"]
+    assert plan(manifest(trainerConfig={"rollout": {"maxStaleness": 2}})).objects  # with servers: admitted

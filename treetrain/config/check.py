@@ -165,6 +165,24 @@ def check_rollout(s: Sections) -> list[Problem]:
     return []
 
 
+def check_staleness(s: Sections) -> list[Problem]:
+    """Asynchronous rollout samples on servers while the trainer trains; local rollout samples
+    with the trainer's own model, so it has nothing to overlap and takes only 0."""
+    if not s.fine("trainer.rollout", "rollout"):
+        return []
+    r = s.trainer.rollout
+    local = r.kind == "local" or (r.kind == "auto" and not s.rollout.servers)
+    if local and r.max_staleness:
+        return [
+            (
+                "trainer.rollout.maxStaleness",
+                f"{r.max_staleness} needs rollout servers (local rollout samples with the trainer's own model, so "
+                "rollout cannot overlap training); fix: set it to 0, or add rollout.servers",
+            )
+        ]
+    return []
+
+
 def check_task(s: Sections) -> list[Problem]:
     t = s.trainer
     if not s.fine("trainer.task", "trainer.taskArgs"):
@@ -243,5 +261,6 @@ CHECKS: tuple[Callable[[Sections], list[Problem]], ...] = (
     check_roles,
     check_algorithm,
     check_rollout,
+    check_staleness,
     check_task,
 )

@@ -168,6 +168,22 @@ class SamplingSettings(Section):
     ready_timeout_seconds: float = Field(default=1800.0, gt=0, description="Wait this long for servers to be healthy.")
     retries: int = Field(default=3, ge=0, description="Retries of a failed request (connection errors, 5xx).")
     model: str = Field(default="", description="vLLM: the served model name, when the server needs one.")
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="Asynchronous rollout: a trajectory trained at step k was started from weights of version "
+        ">= k - N, and rollout of the next steps overlaps training; 0: rollout, train and weight sync in lockstep. "
+        "Unset: 0 for local rollout, 1 with rollout servers. Local rollout takes only 0.",
+    )
+
+
+def max_staleness(rollout: SamplingSettings, servers: list[RolloutServer]) -> int:
+    """``trainer.rollout.maxStaleness`` as the run uses it: the value set, else 0 for local
+    rollout (it samples with the trainer's own model) and 1 with rollout servers."""
+    if rollout.max_staleness is not None:
+        return rollout.max_staleness
+    remote = rollout.kind in ("sglang", "vllm") or (rollout.kind == "auto" and bool(servers))
+    return 1 if remote else 0
 
 
 class OptimizerSettings(Section):
