@@ -80,6 +80,7 @@ def training() -> dashboard.Dashboard:
         f'1 - sum(increase({tokens}{{kind="tree", {SEL}}}[$__range]))'
         f' / sum(increase({tokens}{{kind="original", {SEL}}}[$__range]))'
     )
+    staleness = "treetrain_rollout_staleness"
     step_bucket = f"sum by ({BY}, le) (rate(treetrain_step_duration_seconds_bucket{{{SEL}}}[$__rate_interval]))"
     board = variables(
         dashboard.Dashboard("treetrain / Training")
@@ -217,6 +218,100 @@ def training() -> dashboard.Dashboard:
                     )
                 ],
                 width=24,
+            ).min(0)
+        )
+        .with_row(dashboard.Row("Asynchronous rollout"))
+        .with_panel(
+            series(
+                "Staleness of trained samples",
+                "Per trained sample: the step it is trained at less the weight version its trajectory started from "
+                "(0 in synchronous runs; never above trainer.rollout.maxStaleness). Mean and p90 over the interval.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}) (rate({staleness}_sum{{{SEL}}}[$__rate_interval]))"
+                        f" / sum by ({BY}) (rate({staleness}_count{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} mean",
+                    ),
+                    query(
+                        f"histogram_quantile(0.9, sum by ({BY}, le) "
+                        f"(rate({staleness}_bucket{{{SEL}}}[$__rate_interval])))",
+                        "{{rljob}} p90",
+                    ),
+                ],
+                width=24,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Trainer idle",
+                "Share of the time the trainer waited for rollouts (seconds waited per second).",
+                "percentunit",
+                [
+                    query(
+                        f"max by ({BY}) (rate(treetrain_trainer_idle_seconds_total{{{SEL}}}[$__rate_interval]))",
+                        "{{namespace}}/{{rljob}}",
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Rollout idle",
+                "Share of the time the rollout side had nothing to generate (in synchronous runs: training and weight "
+                "sync).",
+                "percentunit",
+                [
+                    query(
+                        f"max by ({BY}) (rate(treetrain_rollout_idle_seconds_total{{{SEL}}}[$__rate_interval]))",
+                        "{{namespace}}/{{rljob}}",
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Rollout buffer",
+                "Finished rollout groups waiting to be trained.",
+                "short",
+                [query(f"max by ({BY}) (treetrain_rollout_buffer_groups{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Weight version",
+                "The weight version the trainer last synced to the rollout servers.",
+                "short",
+                [query(f"max by ({BY}) (treetrain_weight_version{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Groups dropped",
+                "Rollout groups dropped and replaced per interval: filtered (dynamic sampling, all rewards equal) or "
+                "failed (every server failed the generation).",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}, reason) "
+                        f"(increase(treetrain_rollout_groups_dropped_total{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} {{reason}}",
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Requests resubmitted",
+                "Generation requests sent again per interval: interrupted by a weight update, or moved off a failed "
+                "server.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}) (increase(treetrain_rollout_resubmitted_total{{{SEL}}}[$__rate_interval]))",
+                        "{{namespace}}/{{rljob}}",
+                    )
+                ],
             ).min(0)
         )
         .with_row(dashboard.Row("GPUs"))

@@ -24,11 +24,24 @@ ROLLOUT_LOGPROB_MISMATCH = "treetrain_rollout_logprob_mismatch"
 LOSS = "treetrain_loss"
 REWARD = "treetrain_reward"
 EPISODES_CAPPED_TOTAL = "treetrain_episodes_capped_total"
+# Asynchronous rollout (exported by every run, synchronous ones too, so every panel has data).
+ROLLOUT_STALENESS = "treetrain_rollout_staleness"
+ROLLOUT_BUFFER_GROUPS = "treetrain_rollout_buffer_groups"
+ROLLOUT_IDLE_SECONDS_TOTAL = "treetrain_rollout_idle_seconds_total"
+TRAINER_IDLE_SECONDS_TOTAL = "treetrain_trainer_idle_seconds_total"
+ROLLOUT_GROUPS_DROPPED_TOTAL = "treetrain_rollout_groups_dropped_total"
+ROLLOUT_RESUBMITTED_TOTAL = "treetrain_rollout_resubmitted_total"
+WEIGHT_VERSION = "treetrain_weight_version"
 
 # Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
 TOKEN_KINDS = ("original", "tree", "padded")
 # Label values of EPISODES_CAPPED_TOTAL{reason=...}: trainer.maxTurns, trainer.maxEpisodeTokens.
 CAP_REASONS = ("turns", "tokens")
+# Label values of ROLLOUT_GROUPS_DROPPED_TOTAL{reason=...}: dynamic sampling (all rewards equal),
+# or a generation that failed on every server.
+DROP_REASONS = ("filtered", "failed")
+# Staleness of a trained sample, in steps: 0 in synchronous runs, at most maxStaleness otherwise.
+STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0)
 # Step times range from well under a second (tiny CPU runs) to minutes (large models).
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 DEFAULT_PORT = 9400
@@ -45,6 +58,13 @@ NAMES = (
     LOSS,
     REWARD,
     EPISODES_CAPPED_TOTAL,
+    ROLLOUT_STALENESS,
+    ROLLOUT_BUFFER_GROUPS,
+    ROLLOUT_IDLE_SECONDS_TOTAL,
+    TRAINER_IDLE_SECONDS_TOTAL,
+    ROLLOUT_GROUPS_DROPPED_TOTAL,
+    ROLLOUT_RESUBMITTED_TOTAL,
+    WEIGHT_VERSION,
 )
 
 
@@ -67,6 +87,16 @@ class StepFigures:
     # Episodes the step's rollouts ended at trainer.maxTurns / before trainer.maxEpisodeTokens.
     capped_turns: int = 0
     capped_tokens: int = 0
+    # Rollout: per trained sample, the step less the weight version its trajectory started from;
+    # the rest are what happened since the previous step (counters) or now (gauges).
+    staleness: tuple[int, ...] = ()
+    buffer_groups: int = 0
+    rollout_idle_seconds: float = 0.0
+    trainer_idle_seconds: float = 0.0
+    dropped_filtered: int = 0
+    dropped_failed: int = 0
+    resubmitted: int = 0
+    weight_version: int = 0
 
     # Both count original (unpacked) tokens: what the step trained, however well it packed.
     @property
@@ -123,10 +153,43 @@ class TrainerMetrics:
             ["reason"],
             registry=r,
         )
+        self.staleness = Histogram(
+            ROLLOUT_STALENESS,
+            "Per trained sample: the step it was trained at less the weight version its trajectory started from "
+            "(0 in synchronous runs; at most trainer.rollout.maxStaleness).",
+            buckets=STALENESS_BUCKETS,
+            registry=r,
+        )
+        self.buffer_groups = Gauge(ROLLOUT_BUFFER_GROUPS, "Finished rollout groups waiting to be trained.", registry=r)
+        self.rollout_idle = Counter(
+            ROLLOUT_IDLE_SECONDS_TOTAL.removesuffix("_total"),
+            "Seconds the rollout side had nothing to generate (training and weight sync, in synchronous runs).",
+            registry=r,
+        )
+        self.trainer_idle = Counter(
+            TRAINER_IDLE_SECONDS_TOTAL.removesuffix("_total"),
+            "Seconds the trainer waited for rollouts.",
+            registry=r,
+        )
+        self.groups_dropped = Counter(
+            ROLLOUT_GROUPS_DROPPED_TOTAL.removesuffix("_total"),
+            "Rollout groups dropped and replaced: reason filtered (dynamic sampling: all rewards equal) or failed "
+            "(every server failed the generation).",
+            ["reason"],
+            registry=r,
+        )
+        self.resubmitted = Counter(
+            ROLLOUT_RESUBMITTED_TOTAL.removesuffix("_total"),
+            "Generation requests resubmitted (interrupted by a weight update, or their server failed).",
+            registry=r,
+        )
+        self.weight_version = Gauge(WEIGHT_VERSION, "The weight version the trainer last synced.", registry=r)
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)  # show every series from the first scrape on
         for reason in CAP_REASONS:
             self.episodes_capped.labels(reason=reason)
+        for reason in DROP_REASONS:
+            self.groups_dropped.labels(reason=reason)
         self._server: Any = None
 
     def observe_step(self, fig: StepFigures) -> None:
@@ -145,6 +208,15 @@ class TrainerMetrics:
         self.reward.set(fig.reward)
         self.episodes_capped.labels(reason="turns").inc(fig.capped_turns)
         self.episodes_capped.labels(reason="tokens").inc(fig.capped_tokens)
+        for staleness in fig.staleness:
+            self.staleness.observe(staleness)
+        self.buffer_groups.set(fig.buffer_groups)
+        self.rollout_idle.inc(fig.rollout_idle_seconds)
+        self.trainer_idle.inc(fig.trainer_idle_seconds)
+        self.groups_dropped.labels(reason="filtered").inc(fig.dropped_filtered)
+        self.groups_dropped.labels(reason="failed").inc(fig.dropped_failed)
+        self.resubmitted.inc(fig.resubmitted)
+        self.weight_version.set(fig.weight_version)
 
     def serve(self, port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one)."""

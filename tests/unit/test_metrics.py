@@ -21,6 +21,14 @@ CONTRACT_NAMES = {
     "treetrain_loss": "gauge",
     "treetrain_reward": "gauge",
     "treetrain_episodes_capped": "counter",  # treetrain_episodes_capped_total{reason=...}
+    # Asynchronous rollout, exported by every run.
+    "treetrain_rollout_staleness": "histogram",
+    "treetrain_rollout_buffer_groups": "gauge",
+    "treetrain_rollout_idle_seconds": "counter",  # treetrain_rollout_idle_seconds_total
+    "treetrain_trainer_idle_seconds": "counter",  # treetrain_trainer_idle_seconds_total
+    "treetrain_rollout_groups_dropped": "counter",  # treetrain_rollout_groups_dropped_total{reason=...}
+    "treetrain_rollout_resubmitted": "counter",  # treetrain_rollout_resubmitted_total
+    "treetrain_weight_version": "gauge",
 }
 
 
@@ -73,3 +81,44 @@ def test_scrape_and_parse() -> None:
     # (The text format shows each counter's and histogram's *_created series as its own family.)
     exposed = {n for n in families if n.startswith("treetrain_") and not n.endswith("_created")}
     assert exposed == set(CONTRACT_NAMES)
+
+
+def test_the_rollout_metrics_are_exported_from_the_first_scrape_and_count_what_steps_report() -> None:
+    metrics = M.TrainerMetrics()
+    port = metrics.serve(0, "127.0.0.1")
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    try:
+        before = scrape()
+        fig = M.StepFigures(
+            tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0, train_seconds=0.5,
+            loss=0.0, reward=0.0, staleness=(0, 1, 1, 2), buffer_groups=3, rollout_idle_seconds=0.25,
+            trainer_idle_seconds=1.5, dropped_filtered=2, dropped_failed=1, resubmitted=4, weight_version=7,
+        )  # fmt: skip
+        metrics.observe_step(fig)
+        after = scrape()
+    finally:
+        metrics.close()
+    for reason in M.DROP_REASONS:  # both labels from the start, at 0
+        assert before[("treetrain_rollout_groups_dropped_total", (("reason", reason),))] == 0
+    assert before[("treetrain_rollout_staleness_count", ())] == 0
+    assert before[("treetrain_weight_version", ())] == 0
+    assert after[("treetrain_rollout_staleness_count", ())] == 4
+    assert after[("treetrain_rollout_staleness_bucket", (("le", "0.0"),))] == 1
+    assert after[("treetrain_rollout_staleness_bucket", (("le", "1.0"),))] == 3
+    assert after[("treetrain_rollout_staleness_sum", ())] == 4
+    assert after[("treetrain_rollout_buffer_groups", ())] == 3
+    assert after[("treetrain_rollout_idle_seconds_total", ())] == 0.25
+    assert after[("treetrain_trainer_idle_seconds_total", ())] == 1.5
+    assert after[("treetrain_rollout_groups_dropped_total", (("reason", "filtered"),))] == 2
+    assert after[("treetrain_rollout_groups_dropped_total", (("reason", "failed"),))] == 1
+    assert after[("treetrain_rollout_resubmitted_total", ())] == 4
+    assert after[("treetrain_weight_version", ())] == 7
