@@ -68,8 +68,7 @@ class RolloutStandin:
         self._busy_since = 0.0
         self._busy = 0.0
         self._closed = False
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", port), _handler(self))
         self.thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="rollout-standin", daemon=True
         )
@@ -226,6 +225,13 @@ class RolloutStandin:
         if self._active == 0:
             self._busy += time.monotonic() - self._busy_since
         self._cond.notify_all()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # A batch's requests all connect at once: past the default backlog of 5 the kernel drops
+    # connection attempts, and each one that is dropped waits a 1 s retransmit.
+    request_queue_size = 256
 
 
 def _handler(standin: RolloutStandin) -> type[BaseHTTPRequestHandler]:
