@@ -161,9 +161,9 @@ def calibrate(args: argparse.Namespace, tmp: Path) -> float:
     # The first step warms up (allocations, the first export): the later ones are the measure.
     train = min(probe.step_train_s[1:])
     # The generation alone: turns x maxNewTokens decode steps (a group's samples run at once).
-    decode = args.turns * args.max_new_tokens
+    decode = int(args.turns) * int(args.max_new_tokens)
     overhead = max(0.0, min(probe.step_rollout_s[1:]) - 0.001 * decode)  # HTTP and task code per step
-    delay = max(0.001, (train * args.rt_ratio - overhead) / decode)
+    delay = max(0.001, (train * float(args.rt_ratio) - overhead) / decode)
     print(
         f"calibration: training {train:.2f} s/step, rollout overhead {overhead:.2f} s/step "
         f"-> token delay {delay * 1000:.1f} ms",
@@ -241,7 +241,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     ap.add_argument("--json", type=Path, help="also write the report here")
     args = ap.parse_args()
-    transformers.utils.logging.disable_progress_bar()  # the weight export's per-step bar
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # the export's bar
     modes = sorted({0, *args.staleness})
     if any(m > 0 for m in modes) and not supports_staleness():
         raise SystemExit("this checkout has no trainer.rollout.maxStaleness yet: run with --staleness 0")
