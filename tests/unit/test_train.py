@@ -236,6 +236,27 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.actor.model.named_parameters()}
 
 
+# small()'s records before asynchronous rollout existed (step, reward, loss, tree_token_ratio,
+# grad_norm): maxStaleness 0, or unset with local rollout, must keep the synchronous loop's numbers.
+GOLDEN_SMALL = [
+    (1, 0.625, 1.1175870895385742e-08, 0.3423076923076923, 1.767907977104187),
+    (2, 0.75, -4.0978193283081055e-08, 0.3423076923076923, 1.1703133583068848),
+    (3, 0.59375, -5.960464477539063e-08, 0.3423076923076923, 1.069265604019165),
+]
+
+
+@pytest.mark.parametrize("rollout", [{}, {"maxStaleness": 0}], ids=["unset", "zero"])
+def test_the_synchronous_loop_keeps_its_numbers(rollout: dict[str, Any]) -> None:
+    trainer = Trainer(C.validate(small(rollout=rollout)), log=lambda _: None)
+    try:
+        records = trainer.run().records
+    finally:
+        trainer.close()
+    got = [(r.step, r.reward, r.loss, r.tree_token_ratio, r.grad_norm) for r in records]
+    assert got == GOLDEN_SMALL
+    assert all("staleness_max" not in r.stats for r in records)
+
+
 def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     # A reference model with KL makes the loss non-trivial (on-policy GRPO alone sums to ~0).
     extra = {"loss": {"klCoef": 0.05}}
