@@ -368,6 +368,15 @@ def test_a_user_task_loads_from_module_function(tmp_path: Path, monkeypatch: pyt
     assert len(rollouts.samples) == 2 * 2 * 3  # groups x samples x turns: one sample per turn
 
 
+# `treetrain train`'s step lines before asynchronous rollout: (reward, loss, tree_token_ratio).
+GOLDEN_DEFAULT = [
+    ("0.073", "+0.0810", "0.275"),
+    ("0.292", "+0.0482", "0.222"),
+    ("0.302", "-0.0762", "0.192"),
+    ("0.406", "-0.0202", "0.125"),
+]
+
+
 @pytest.mark.slow
 def test_the_embedded_default_runs_end_to_end() -> None:
     """`treetrain train` with no arguments, as a newcomer runs it (a fresh process)."""
@@ -389,6 +398,11 @@ def test_the_embedded_default_runs_end_to_end() -> None:
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 4 and steps[-1].startswith("step 4/4")
     assert all("reward" in s and "tree_token_ratio" in s and "tokens/s" in s for s in steps)
+    # The numbers the embedded default printed before asynchronous rollout (it is synchronous:
+    # local rollout), so a change that moves them fails here; no staleness in a synchronous line.
+    fields = [dict(part.split(" ", 1) for part in s.split(" | ")[1:4]) for s in steps]
+    assert [(f["reward"], f["loss"], f["tree_token_ratio"]) for f in fields] == GOLDEN_DEFAULT
+    assert not any("staleness" in s for s in steps)
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
     assert any("training builtin:smollm2-135m on builtin:arithmetic" in line for line in lines)
     speedup = next(line for line in lines if line.startswith("speedup tree vs flat on the last batch"))
