@@ -146,6 +146,14 @@ def test_a_filtered_group_is_dropped_counted_and_replaced(made: list[C.RolloutCo
     assert c.dropped == {"filtered": 1, "failed": 0}
 
 
+def test_a_step_with_no_informative_group_trains_its_first_groups(made: list[C.RolloutController]) -> None:
+    """As the synchronous loop does: all groups filtered up to the cap, the first ones are trained."""
+    c = controller(lambda step, g, clock: group(step, g, 0), steps=1, keep=lambda r: False)
+    made.append(c)
+    assert c.take(0, timeout_s=DEADLINE_S).groups == [0, 0, 1, 1]
+    assert c.dropped == {"filtered": 10, "failed": 0}
+
+
 def test_a_step_whose_groups_all_fail_says_so_instead_of_hanging(made: list[C.RolloutController]) -> None:
     def play(step: int, g: int, clock: TaskClock) -> Rollouts:
         raise RolloutError("connection refused")

@@ -69,6 +69,8 @@ class _Step:
     next_id: int
     running: set[int] = field(default_factory=set)
     done: dict[int, Rollouts] = field(default_factory=dict)
+    # Dynamic sampling found no signal in these first groups: trained only if no group has any.
+    fallback: dict[int, Rollouts] = field(default_factory=dict)
 
 
 class RolloutController:
@@ -151,6 +153,12 @@ class RolloutController:
             del self._steps[step]
             self.next_take = step + 1
             self._cond.notify_all()  # room for more groups
+        if not st.done and st.fallback:
+            self.log(
+                f"rollout: step {step + 1}: dynamic sampling found no group whose rewards differ in {st.next_id} "
+                "tried; training the first groups, which carry no signal"
+            )
+            return merge_rollouts([st.fallback[g] for g in sorted(st.fallback)])
         if not st.done:
             raise RolloutError(
                 f"rollout: step {step + 1} has no group to train: all {st.next_id} tried were dropped "
@@ -230,10 +238,14 @@ class RolloutController:
                 return
             with self._cond:
                 self._finish(step, g)
+                st = self._steps.get(step)
                 if reason is not None:
                     self.dropped[reason] += 1
-                elif result is not None and step in self._steps:
-                    self._steps[step].done[g] = result
+                if st is not None and result is not None:
+                    if reason is None:
+                        st.done[g] = result
+                    elif g < self.groups_per_step:
+                        st.fallback[g] = result
 
     def _next_job(self) -> tuple[int, int] | None:
         """The first group admission allows now (lowest step first), marked running; None when
