@@ -195,6 +195,20 @@ def test_an_error_of_the_task_reaches_the_trainer(made: list[C.RolloutController
         c.take(0, timeout_s=DEADLINE_S)
 
 
+def test_after_halt_only_the_step_being_waited_for_starts_groups(made: list[C.RolloutController]) -> None:
+    """SIGTERM: the step in progress still gets its groups; no later step starts one."""
+    play = Gated(lambda: 0)
+    c = controller(play, groups_per_step=1, max_staleness=2, steps=6)
+    made.append(c)
+    play.wait_started(3)  # steps 0, 1, 2
+    play.release((0, 0), (1, 0), (2, 0), (3, 0))
+    c.take(0, timeout_s=DEADLINE_S)
+    c.halt()
+    c.set_version(1)  # step 3 is admissible now, but halted
+    assert play.starts_nothing_more(3)
+    assert c.take(1, timeout_s=DEADLINE_S).groups == [0, 0]
+
+
 def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.RolloutController]) -> None:
     play = Gated(lambda: 0)
     c = controller(play, steps=3)

@@ -107,6 +107,7 @@ class RolloutController:
         self._running_calls: dict[int, tuple[str, float, float]] = {}
         self._error: BaseException | None = None
         self._stopping = False
+        self._halted = False  # SIGTERM: only the step the trainer waits for may start groups
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # groups dropped so far, by reason
         self.started = 0  # groups started (replacements and restarts included)
         self._idle_s = 0.0
@@ -188,6 +189,11 @@ class RolloutController:
             open_s = time.monotonic() - self._idle_since if self._idle_since is not None else 0.0
             return self._idle_s + open_s
 
+    def halt(self) -> None:
+        """Start groups of the step the trainer waits for only (safe in a signal handler: no
+        lock; the workers see it at their next look)."""
+        self._halted = True
+
     def stop(self, timeout_s: float = 5.0) -> None:
         """Start no more groups; wait up to ``timeout_s`` for the workers (a group in flight is
         started again after a resume)."""
@@ -252,7 +258,7 @@ class RolloutController:
         none may start. Called with the lock held."""
         if self._stopping or self._error is not None or self._held() >= self.capacity:
             return None
-        last = min(self._version + self.max_staleness, self.steps - 1)
+        last = self.next_take if self._halted else min(self._version + self.max_staleness, self.steps - 1)
         for s in range(self.next_take, last + 1):
             st = self._step(s)
             if len(st.done) + len(st.running) >= self.groups_per_step or not self._can_start(st):
