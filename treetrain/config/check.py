@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treetrain.alloc import Allocation, AllocationError
+from treetrain.config.algorithms import objective
 from treetrain.config.backends import alignment_size, check_training_backend
 from treetrain.config.schema import (
     ActorSettings,
@@ -132,16 +133,51 @@ def check_roles(s: Sections) -> list[Problem]:
 
 def check_algorithm(s: Sections) -> list[Problem]:
     t = s.trainer
-    if not s.fine("trainer.algorithm", "trainer.loss"):
+    keys = ("trainer.algorithm", "trainer.advantage", "trainer.normalizeAdvantages", "trainer.dynamicSampling")
+    if not s.fine(*keys, "trainer.overlong", "trainer.loss", "trainer.groupSize"):
         return []
+    obj = objective(t)
     found: list[Problem] = []
     has_critic = "critic" in s.present
-    if t.algorithm == "ppo" and not has_critic:
-        found.append(("trainer.algorithm", "ppo needs a critic: add `critic: {}` (colocated with the actor)"))
-    if t.algorithm == "grpo" and has_critic:
-        found.append(("critic", "GRPO uses no critic; set trainer.algorithm: ppo or remove critic"))
+    where = "trainer.advantage" if t.advantage is not None else "trainer.algorithm"
+    if obj.advantage == "critic" and not has_critic:
+        found.append(
+            (where, f"{t.advantage or t.algorithm} needs a critic: add `critic: {{}}` (colocated with the actor)")
+        )
+    if obj.advantage != "critic" and has_critic:
+        found.append(
+            (
+                "critic",
+                f"{t.algorithm} ({obj.advantage} advantages) uses no critic; set trainer.algorithm: ppo or remove critic",
+            )
+        )
     if t.loss.kl_coef > 0 and "ref" not in s.present:
         found.append(("trainer.loss.klCoef", "> 0 needs a reference model: add `ref: {}`"))
+    if t.group_size < 2 and (obj.advantage == "rloo" or obj.dynamic_sampling):
+        what = (
+            "rloo advantages compare each sample with the others of its group"
+            if obj.advantage == "rloo"
+            else ("dynamic sampling keeps groups whose rewards differ")
+        )
+        found.append(("trainer.groupSize", f"1 is too small: {what}; set groupSize 2 or more"))
+    if t.loss.aggregation_length is not None and obj.aggregation != "constant-length":
+        found.append(
+            (
+                "trainer.loss.aggregationLength",
+                f"applies to constant-length aggregation only (this run's is {obj.aggregation}); remove it or set "
+                "trainer.loss.aggregation: constant-length",
+            )
+        )
+    actor = _actor_allocation(s)
+    if obj.per_sample and actor is not None and actor.dims.cp > 1:
+        what = "ratioLevel: sequence" if obj.ratio_level == "sequence" else f"behavWeightMode: {obj.behav_weight_mode}"
+        found.append(
+            (
+                "trainer.loss.ratioLevel" if obj.ratio_level == "sequence" else "trainer.loss.behavWeightMode",
+                f"{what} reduces over each sample's tokens, which context parallelism (c{actor.dims.cp} in "
+                f"{s.actor.backend}) splits across ranks; use a backend without c, or a token-level option",
+            )
+        )
     return found
 
 

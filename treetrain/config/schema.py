@@ -17,7 +17,11 @@ from pydantic.alias_generators import to_camel
 AttentionName = Literal["auto", "flex", "triton", "sparse", "dense"]
 RolloutKind = Literal["auto", "local", "sglang", "vllm"]
 ServerKind = Literal["auto", "sglang", "vllm"]
-Algorithm = Literal["grpo", "ppo"]
+Algorithm = Literal["grpo", "ppo", "rloo", "reinforce++", "dr-grpo", "dapo", "gspo"]
+AdvantageKind = Literal["group", "rloo", "reinforce++-baseline", "critic"]
+Aggregation = Literal["token-mean", "sequence-mean", "constant-length"]
+RatioLevel = Literal["token", "sequence"]
+BehavWeightMode = Literal["token-mask", "token-truncate", "sequence-mask", "sequence-truncate"]
 DType = Literal["float32", "bfloat16", "float16"]
 WeightSyncMethod = Literal["distributed", "disk"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo"]
@@ -198,17 +202,51 @@ class OptimizerSettings(Section):
 
 
 class LossSettings(Section):
-    """The PPO-clip policy loss (GRPO uses it with group advantages)."""
+    """The decoupled PPO-clip policy loss every algorithm uses (docs/trainer.md, The objective)."""
 
     clip_eps: float = Field(default=0.2, gt=0, lt=1, description="Clip range of the probability ratio.")
     clip_eps_high: float | None = Field(
-        default=None, gt=0, description="Upper clip range (clip-higher); unset: clipEps."
+        default=None, gt=0, description="Upper clip range (clip-higher); unset: clipEps (0.28 for dapo)."
     )
     dual_clip: float | None = Field(default=None, gt=1, description="Dual-clip bound for negative advantages.")
     kl_coef: float = Field(default=0.0, ge=0, description="KL(policy || ref) weight; > 0 needs a ref model.")
     entropy_coef: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
     behav_imp_weight_cap: float | None = Field(
-        default=5.0, gt=1, description="Decoupled PPO: drop tokens whose behaviour weight exceeds this; null: no cap."
+        default=5.0,
+        gt=1,
+        description="Decoupled PPO: the cap of the behaviour weight exp(prox - behav) (behavWeightMode says what "
+        "happens past it); null: no cap.",
+    )
+    behav_weight_mode: BehavWeightMode = Field(
+        default="token-mask",
+        description="token-mask: drop tokens whose weight passes the cap; token-truncate: cap each token's weight; "
+        "sequence-mask / sequence-truncate: the same with one weight per sample (the geometric mean of its tokens').",
+    )
+    ratio_level: RatioLevel | None = Field(
+        default=None,
+        description="token: one ratio per token; sequence: one per sample, exp of the mean log-ratio over its "
+        "response (GSPO). Unset: the algorithm's (sequence for gspo, else token).",
+    )
+    aggregation: Aggregation | None = Field(
+        default=None,
+        description="token-mean: sum over every trained token / their count; sequence-mean: each sample's token "
+        "mean, averaged over samples; constant-length: the sum / (samples x aggregationLength). Unset: the "
+        "algorithm's (constant-length for dr-grpo, sequence-mean for gspo, else token-mean).",
+    )
+    aggregation_length: int | None = Field(
+        default=None, ge=1, description="constant-length: the constant; unset: the task's maxNewTokens."
+    )
+
+
+class OverlongSettings(Section):
+    """DAPO's soft overlong penalty: a reply longer than maxNewTokens - bufferTokens loses reward
+    linearly, down to -penalty at maxNewTokens."""
+
+    buffer_tokens: int | None = Field(
+        default=None, ge=1, description="Length of the penalised band; unset: a fifth of the task's maxNewTokens."
+    )
+    penalty: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False, description="Reward taken at maxNewTokens; 0 turns the penalty off."
     )
 
 
@@ -242,8 +280,30 @@ class TrainerSettings(Section):
     # Bounds far past any real run: a typo (1e12 groups) is refused, not started.
     groups_per_step: int = Field(default=8, ge=1, le=1_000_000, description="Prompt groups per step.")
     group_size: int = Field(default=4, ge=1, le=4096, description="Samples per group (GRPO's n).")
-    algorithm: Algorithm = Field(default="grpo", description="grpo (no critic) or ppo (needs a critic).")
-    normalize_advantages: bool = Field(default=True, description="GRPO: divide by the group's standard deviation.")
+    algorithm: Algorithm = Field(
+        default="grpo",
+        description="A preset of the options below (docs/trainer.md, The objective): grpo, rloo, reinforce++, "
+        "dr-grpo, dapo, gspo (no critic) or ppo (needs a critic); an option set explicitly wins over the preset.",
+    )
+    advantage: AdvantageKind | None = Field(
+        default=None,
+        description="group: reward minus the group mean; rloo: minus the mean of the group's others; "
+        "reinforce++-baseline: minus the group mean, over the batch's std; critic: return minus value (ppo). "
+        "Unset: the algorithm's.",
+    )
+    normalize_advantages: bool | None = Field(
+        default=None,
+        description="Divide the advantages by a standard deviation (the group's; the batch's for "
+        "reinforce++-baseline). Unset: the algorithm's (false for rloo and dr-grpo, else true).",
+    )
+    dynamic_sampling: bool | None = Field(
+        default=None,
+        description="Drop groups whose rewards are all equal and sample more until groupsPerStep are kept (at "
+        "most 4 x groupsPerStep extra groups). Unset: the algorithm's (true for dapo).",
+    )
+    overlong: OverlongSettings | None = Field(
+        default=None, description="The soft overlong-reply penalty; unset: the algorithm's (on for dapo)."
+    )
     ppo_epochs: int = Field(default=1, ge=1, le=1000, description="Optimizer updates per batch.")
     keep_checkpoints: int = Field(default=3, ge=1, description="Keep the newest N checkpoints.")
     # Bounds on one episode: user task code that hangs or a conversation that never ends must

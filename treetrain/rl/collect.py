@@ -8,6 +8,7 @@ trainer's rank-0 rollout broadcast to every rank, or a client directly).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,9 +17,10 @@ from typing import Any, TypeVar
 import torch
 
 from treetrain.config import TrainerSettings
+from treetrain.config.algorithms import Objective, objective
 from treetrain.engines.base import TrainBatch
+from treetrain.rl.advantages import advantages, informative_groups, overlong_penalty
 from treetrain.rl.limits import TaskClock
-from treetrain.rl.losses import group_advantages
 from treetrain.rl.rollout import Generation, SamplingParams
 from treetrain.rl.task import Task, TaskError
 
@@ -43,6 +45,8 @@ class Rollouts:
     groups: list[int]  # per episode: its GRPO group
     capped_turns: int = 0  # episodes ended at trainer.maxTurns
     capped_tokens: int = 0  # episodes ended before passing trainer.maxEpisodeTokens
+    dropped_groups: int = 0  # dynamic sampling: groups played and left out (all rewards equal)
+    max_new_tokens: int = 0  # the task's reply length (overlong penalty, constant-length aggregation)
 
     @property
     def mean_reward(self) -> float:
@@ -58,7 +62,13 @@ def seed_of(*parts: int) -> int:
 
 
 def collect_rollouts(
-    task: Task, generate: Generate, settings: TrainerSettings, step: int, *, clock: TaskClock | None = None
+    task: Task,
+    generate: Generate,
+    settings: TrainerSettings,
+    step: int,
+    *,
+    clock: TaskClock | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Rollouts:
     """Play ``groupsPerStep`` groups of ``groupSize`` episodes to the end, all active episodes
     of a turn in one ``generate`` call; every turn becomes one sample holding the whole
@@ -67,11 +77,93 @@ def collect_rollouts(
     Bounded: the task's code runs under ``clock`` (``trainer.episodeTimeoutSeconds`` per
     episode; SIGTERM stops it), an episode ends after ``trainer.maxTurns`` turns, or before a
     turn that could take it past ``trainer.maxEpisodeTokens`` (both counted in the result), and
-    a first prompt with no room for a reply is refused."""
+    a first prompt with no room for a reply is refused.
+
+    With dynamic sampling (``trainer.dynamicSampling``, on for dapo) groups whose rewards are
+    all equal are dropped and more are played until the batch is full (:func:`_fill_informative`)."""
     t = settings
     groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
-    return play_episodes(
+    first = play_episodes(
         task, generate, t, step, groups, turn_seed=lambda turn: seed_of(t.seed, step, 1_000_003, turn), clock=clock
+    )
+    if not objective(t).dynamic_sampling:
+        return first
+    return _fill_informative(first, task, generate, t, step, clock=clock, log=log)
+
+
+# Dynamic sampling plays at most this many extra groups per step, times groupsPerStep: a task
+# whose groups are nearly all solved (or all failed) must not sample for ever.
+EXTRA_GROUPS_FACTOR = 4
+
+
+def _fill_informative(
+    first: Rollouts,
+    task: Task,
+    generate: Generate,
+    t: TrainerSettings,
+    step: int,
+    *,
+    clock: TaskClock | None,
+    log: Callable[[str], None] | None,
+) -> Rollouts:
+    """Dynamic sampling: keep the groups of ``first`` whose rewards differ and play more groups
+    (ids groupsPerStep, groupsPerStep + 1, ..., each seeded as the first ones) until
+    groupsPerStep are kept or the extra groups run out; then train what there is."""
+    need = t.groups_per_step
+    good = informative_groups(first.rewards, first.groups)
+    parts = [select_groups(first, good)]
+    have, dropped = len(good), need - len(good)
+    next_id, limit, rnd = need, need + EXTRA_GROUPS_FACTOR * need, 1
+    while have < need and next_id < limit:
+        ids = range(next_id, min(next_id + need - have, limit))
+        part = play_episodes(
+            task,
+            generate,
+            t,
+            step,
+            [g for g in ids for _ in range(t.group_size)],
+            turn_seed=functools.partial(_extra_seed, t.seed, step, rnd),
+            clock=clock,
+        )
+        good = informative_groups(part.rewards, part.groups)
+        parts.append(select_groups(part, good))
+        have, dropped = have + len(good), dropped + len(ids) - len(good)
+        next_id, rnd = ids.stop, rnd + 1
+    if have == 0:
+        # No group had any signal: train the first ones (zero advantages) rather than nothing.
+        parts, dropped = [first], dropped - need
+    out = merge_rollouts(parts)
+    out.dropped_groups = dropped
+    if have < need:
+        (log or _stderr)(
+            f"step {step + 1}: dynamic sampling kept {have} of {need} groups after {next_id - need} extra "
+            f"({dropped} dropped: all rewards equal); training "
+            + ("those" if have else "the first groups, which carry no signal")
+        )
+    return out
+
+
+def _extra_seed(seed: int, step: int, rnd: int, turn: int) -> int:
+    """The sampling seed of a turn of dynamic sampling's extra round ``rnd`` (round 0 is the
+    step's first groups, seeded as without dynamic sampling)."""
+    return seed_of(seed, step, 1_000_003, turn, rnd)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def select_groups(rollouts: Rollouts, keep: set[int]) -> Rollouts:
+    """The episodes of ``rollouts`` whose group is in ``keep``, renumbered in order (counts kept)."""
+    index = {e: i for i, e in enumerate(e for e, g in enumerate(rollouts.groups) if g in keep)}
+    return Rollouts(
+        samples=[dataclasses.replace(s, episode=index[s.episode]) for s in rollouts.samples if s.episode in index],
+        rewards=[r for r, g in zip(rollouts.rewards, rollouts.groups, strict=True) if g in keep],
+        groups=[g for g in rollouts.groups if g in keep],
+        capped_turns=rollouts.capped_turns,
+        capped_tokens=rollouts.capped_tokens,
+        dropped_groups=rollouts.dropped_groups,
+        max_new_tokens=rollouts.max_new_tokens,
     )
 
 
@@ -152,6 +244,7 @@ def play_episodes(
         groups=list(groups),
         capped_turns=capped["turns"],
         capped_tokens=capped["tokens"],
+        max_new_tokens=params.max_new_tokens,
     )
 
 
@@ -182,6 +275,8 @@ def merge_rollouts(parts: Sequence[Rollouts]) -> Rollouts:
         groups=groups,
         capped_turns=sum(p.capped_turns for p in parts),
         capped_tokens=sum(p.capped_tokens for p in parts),
+        dropped_groups=sum(p.dropped_groups for p in parts),
+        max_new_tokens=max((p.max_new_tokens for p in parts), default=0),
     )
 
 
@@ -201,14 +296,16 @@ def episode_cap(
 
 
 def make_batch(rollouts: Rollouts, settings: TrainerSettings) -> TrainBatch:
-    """The training batch: response tokens masked in, GRPO advantages (or PPO returns, whose
-    advantages the critic fills in), and the sampler's log-probs for decoupled PPO."""
-    if settings.algorithm == "grpo":
-        adv = group_advantages(rollouts.rewards, rollouts.groups, normalize_std=settings.normalize_advantages)
-    else:
-        adv = rollouts.rewards
-    seqs, masks, advs, behav, returns = [], [], [], [], []
-    for s in rollouts.samples:
+    """The training batch: response tokens masked in, the algorithm's advantages (PPO: the
+    returns, whose advantages the critic fills in), the sampler's log-probs for decoupled PPO,
+    and what a non-default objective needs: per-token ``loss_weights`` for a per-sample
+    aggregation, ``sample_index`` for a sequence ratio or sequence weight mode."""
+    obj = objective(settings)
+    rewards = shaped_rewards(rollouts, obj)
+    adv = advantages(obj.advantage, rewards, rollouts.groups, normalize_std=obj.normalize_advantages)
+    weights = loss_weights(rollouts, obj)
+    seqs, masks, advs, behav, returns, index, scale = [], [], [], [], [], [], []
+    for i, s in enumerate(rollouts.samples):
         n = len(s.tokens) - 1
         mask = torch.zeros(n)
         mask[s.prompt_len - 1 :] = 1.0  # position i predicts token i + 1: the response tokens
@@ -217,9 +314,55 @@ def make_batch(rollouts: Rollouts, settings: TrainerSettings) -> TrainBatch:
         seqs.append(s.tokens)
         masks.append(mask)
         advs.append(torch.full((n,), float(adv[s.episode])))
-        returns.append(torch.full((n,), float(rollouts.rewards[s.episode])))
+        returns.append(torch.full((n,), float(rewards[s.episode])))
         behav.append(b)
+        if obj.per_sample:
+            index.append(torch.full((n,), float(i)))
+        if weights is not None:
+            scale.append(torch.full((n,), weights[i]))
     tensors: dict[str, list[torch.Tensor]] = {"advantages": advs, "behav_logprobs": behav}
-    if settings.algorithm == "ppo":
+    if obj.advantage == "critic":
         tensors["returns"] = returns
+    if obj.per_sample:
+        tensors["sample_index"] = index
+    if weights is not None:
+        tensors["loss_weights"] = scale
     return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
+
+
+def reply_lengths(rollouts: Rollouts) -> list[int]:
+    """Each sample's trained tokens: its last reply."""
+    return [len(s.tokens) - s.prompt_len for s in rollouts.samples]
+
+
+def shaped_rewards(rollouts: Rollouts, obj: Objective) -> list[float]:
+    """The episodes' rewards plus, with the overlong penalty on, the mean penalty of their
+    replies (an episode's reward is the mean over its turns, so each turn's reply counts once)."""
+    if obj.overlong is None:
+        return rollouts.rewards
+    if rollouts.max_new_tokens < 1:
+        raise ValueError("the overlong penalty needs Rollouts.max_new_tokens (the task's reply length)")
+    cap, buffer = rollouts.max_new_tokens, obj.overlong_buffer(rollouts.max_new_tokens)
+    pen = [0.0] * len(rollouts.rewards)
+    turns = [0] * len(rollouts.rewards)
+    for s, length in zip(rollouts.samples, reply_lengths(rollouts), strict=True):
+        pen[s.episode] += overlong_penalty(length, cap, buffer, obj.overlong.penalty)
+        turns[s.episode] += 1
+    return [r + p / max(k, 1) for r, p, k in zip(rollouts.rewards, pen, turns, strict=True)]
+
+
+def loss_weights(rollouts: Rollouts, obj: Objective) -> list[float] | None:
+    """Per-sample token weights that turn the engines' division by the batch's trained-token
+    count T into the objective's aggregation (None: token-mean, nothing to weigh). Over S
+    samples, sequence-mean weighs sample i's n_i tokens T / (S n_i) (its token mean, averaged
+    over samples); constant-length weighs every token T / (S L) (the sum over S L)."""
+    if obj.aggregation == "token-mean":
+        return None
+    lengths = reply_lengths(rollouts)
+    total, count = max(sum(lengths), 1), max(len(lengths), 1)
+    if obj.aggregation == "sequence-mean":
+        return [total / (count * max(n, 1)) for n in lengths]
+    if obj.aggregation_length is None and rollouts.max_new_tokens < 1:
+        raise ValueError("constant-length aggregation needs Rollouts.max_new_tokens or trainer.loss.aggregationLength")
+    length = obj.aggregation_tokens(rollouts.max_new_tokens)
+    return [total / (count * length)] * len(lengths)

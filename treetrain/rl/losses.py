@@ -1,64 +1,69 @@
-"""RL losses: GRPO advantages, the PPO-clip policy loss and the critic's value loss.
+"""RL losses: the decoupled PPO-clip policy loss every algorithm uses, and the critic's value
+loss (advantages live in :mod:`treetrain.rl.advantages`).
 
 Letters: M gathered positions of one micro-batch (layout order), all ``[M]`` tensors.
 
 A loss returns the *sum* over masked tokens (and sums of its statistics); the engine
-divides by the global token count it fixed before the micro-batch loop.
+divides by the global token count it fixed before the micro-batch loop. Per-sample
+aggregations come in as per-token ``loss_weights`` (make_batch computes them against that
+count), so no engine needs to know about them.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 
 from treetrain.config import LossSettings, ValueLossSettings
+from treetrain.config.algorithms import Objective
 from treetrain.engines.base import MAX_SUFFIX, MicroBatchOutput
+from treetrain.rl.advantages import group_advantages
+
+__all__ = ["LossConfigError", "PPOLoss", "ValueLoss", "group_advantages", "segment_mean"]
 
 
 class LossConfigError(ValueError):
     """A loss called without the inputs its settings need."""
 
 
-def group_advantages(
-    rewards: Sequence[float], groups: Sequence[int], *, normalize_std: bool = True, eps: float = 1e-6
-) -> list[float]:
-    """GRPO: each reward minus its group's mean, over the group's standard deviation.
+def segment_mean(x_M: torch.Tensor, index_M: torch.Tensor, mask_M: torch.Tensor) -> torch.Tensor:
+    """Each position's sample mean of ``x_M`` over the sample's masked positions, ``[M]``.
 
-    ``groups[i]`` names the group (same prompt or task) of ``rewards[i]``. The standard
-    deviation is the population one (``1/n``); a group whose rewards are all equal gets zero
-    advantages (no signal, no division by zero).
-    """
-    if len(rewards) != len(groups):
-        raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    out = [0.0] * len(rewards)
-    for idx in members.values():
-        vals = [float(rewards[i]) for i in idx]
-        mean = sum(vals) / len(vals)
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / len(vals))
-        for i, v in zip(idx, vals, strict=True):
-            out[i] = (v - mean) / (std + eps) if normalize_std else v - mean
-    return out
+    ``index_M`` names each position's sample (``sample_index``). A sample's positions are
+    contiguous in layout order (the engines gather every sequence whole, in one micro-batch),
+    so a new segment starts wherever the index changes: no host sync to count samples."""
+    if x_M.numel() == 0:
+        return x_M
+    idx_M = index_M.long()
+    starts_M = torch.ones_like(idx_M, dtype=torch.bool)
+    starts_M[1:] = idx_M[1:] != idx_M[:-1]
+    seg_M = torch.cumsum(starts_M.long(), 0) - 1
+    sums = x_M.new_zeros(x_M.shape[0]).index_add(0, seg_M, x_M * mask_M)
+    counts = mask_M.new_zeros(x_M.shape[0]).index_add(0, seg_M, mask_M)
+    return (sums / counts.clamp_min(1))[seg_M]
 
 
 class PPOLoss:
-    """PPO-clip on per-token log-probs, with the options GRPO-style trainers use.
+    """Decoupled PPO-clip on per-token log-probs, with the options of the algorithm presets.
 
     Inputs (``[M]``, layout order): ``advantages`` (required); ``old_logprobs`` (the
-    proximal policy; absent means the batch is trained once, right after it was generated,
-    so the current log-probs detached are the old ones); ``behav_logprobs`` (the rollout
-    engine's own log-probs: *decoupled* PPO weights each token by
-    ``exp(old - behav)``, and drops tokens whose weight exceeds ``behav_imp_weight_cap``);
-    ``ref_logprobs`` (needed when ``kl_coef > 0``: the k3 estimator of KL(policy || ref)).
+    proximal policy, the weights at the start of the step; absent means the batch is trained
+    once, so the current log-probs detached *are* those weights: exact, not an approximation);
+    ``behav_logprobs`` (the rollout engine's own log-probs: each token is weighted by
+    ``exp(prox - behav)``, capped as ``behav_weight_mode`` says); ``ref_logprobs`` (needed when
+    ``kl_coef > 0``: the k3 estimator of KL(policy || ref)); ``loss_weights`` (per-token
+    aggregation weights, absent for token-mean); ``sample_index`` (each position's sample,
+    needed for a sequence ratio or a sequence weight mode).
     """
 
-    def __init__(self, config: LossSettings) -> None:
+    def __init__(self, config: LossSettings, objective: Objective | None = None) -> None:
         self.config = config
         self.needs_entropy = config.entropy_coef > 0
+        self.ratio_level = objective.ratio_level if objective else (config.ratio_level or "token")
+        high = objective.clip_eps_high if objective else config.clip_eps_high
+        self.clip_low, self.clip_high = 1.0 - config.clip_eps, 1.0 + (high if high is not None else config.clip_eps)
+        self.per_sample = self.ratio_level == "sequence" or config.behav_weight_mode.startswith("sequence")
 
     def __call__(
         self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
@@ -68,11 +73,18 @@ class PPOLoss:
         assert logp_M is not None, "PPOLoss needs an actor's log-probs"
         mask_M = loss_mask.to(logp_M.dtype)
         adv_M = inputs["advantages"].to(logp_M.dtype)
-        old_M = inputs["old_logprobs"].to(logp_M.dtype) if "old_logprobs" in inputs else logp_M.detach()
-        ratio_M = torch.exp(logp_M - old_M)
-        low, high = 1.0 - cfg.clip_eps, 1.0 + (cfg.clip_eps_high if cfg.clip_eps_high is not None else cfg.clip_eps)
+        prox_M = inputs["old_logprobs"].to(logp_M.dtype) if "old_logprobs" in inputs else logp_M.detach()
+        if self.per_sample and "sample_index" not in inputs:
+            raise LossConfigError("a sequence ratio or sequence weight mode needs sample_index (make_batch adds it)")
+        index_M = inputs.get("sample_index")
+        if self.ratio_level == "sequence":
+            assert index_M is not None
+            # GSPO: one ratio per sample, exp of its mean log-ratio; the gradient reaches every token.
+            ratio_M = torch.exp(segment_mean(logp_M - prox_M, index_M, mask_M))
+        else:
+            ratio_M = torch.exp(logp_M - prox_M)
         surr1_M = ratio_M * adv_M
-        surr2_M = torch.clamp(ratio_M, low, high) * adv_M
+        surr2_M = torch.clamp(ratio_M, self.clip_low, self.clip_high) * adv_M
         pg_M = -torch.minimum(surr1_M, surr2_M)
         clipped_M = (surr2_M < surr1_M).to(logp_M.dtype)
         if cfg.dual_clip is not None:
@@ -83,16 +95,10 @@ class PPOLoss:
             behav_M = inputs["behav_logprobs"].to(logp_M.dtype)
             # The rollout engine's log-probs vs the trainer's recomputed ones for the same tokens:
             # the train/rollout mismatch (a mean, and the worst token).
-            gap_M = (old_M - behav_M).abs().detach() * mask_M
+            gap_M = (prox_M - behav_M).abs().detach() * mask_M
             stats["behav_mismatch"] = gap_M.sum()
             stats["behav_mismatch" + MAX_SUFFIX] = gap_M.max() if gap_M.numel() else gap_M.new_zeros(())
-            weight_M = torch.exp(old_M - behav_M)
-            if cfg.behav_imp_weight_cap is not None:
-                keep_M = (weight_M <= cfg.behav_imp_weight_cap).to(logp_M.dtype)
-                stats["behav_dropped"] = ((1 - keep_M) * mask_M).sum()
-                weight_M = weight_M * keep_M
-            pg_M = pg_M * weight_M
-            stats["behav_weight"] = (weight_M * mask_M).sum()
+            pg_M = pg_M * self._behav_weight(prox_M, behav_M, mask_M, index_M, stats)
         token_M = pg_M
         if cfg.kl_coef > 0:
             if "ref_logprobs" not in inputs:
@@ -107,7 +113,37 @@ class PPOLoss:
             stats["entropy"] = (out.entropy.detach() * mask_M).sum()
         stats["clip_fraction"] = (clipped_M * mask_M).sum()
         stats["ratio"] = (ratio_M.detach() * mask_M).sum()
+        if "loss_weights" in inputs:
+            token_M = token_M * inputs["loss_weights"].to(logp_M.dtype)
         return (token_M * mask_M).sum(), stats
+
+    def _behav_weight(
+        self,
+        prox_M: torch.Tensor,
+        behav_M: torch.Tensor,
+        mask_M: torch.Tensor,
+        index_M: torch.Tensor | None,
+        stats: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The behaviour weight ``exp(prox - behav)`` per position, capped by the mode: per token
+        or per sample (the geometric mean of the sample's token weights), masked past the cap
+        (dropped) or truncated to it."""
+        cap, mode = self.config.behav_imp_weight_cap, self.config.behav_weight_mode
+        if mode.startswith("sequence"):
+            assert index_M is not None
+            weight_M = torch.exp(segment_mean(prox_M - behav_M, index_M, mask_M))
+        else:
+            weight_M = torch.exp(prox_M - behav_M)
+        if cap is not None:
+            if mode.endswith("mask"):
+                keep_M = (weight_M <= cap).to(prox_M.dtype)  # a NaN weight is dropped too
+                stats["behav_dropped"] = ((1 - keep_M) * mask_M).sum()
+                weight_M = weight_M * keep_M
+            else:
+                stats["behav_truncated"] = ((weight_M > cap).to(prox_M.dtype) * mask_M).sum()
+                weight_M = torch.clamp(weight_M, max=cap)
+        stats["behav_weight"] = (weight_M * mask_M).sum()
+        return weight_M
 
 
 class ValueLoss:
