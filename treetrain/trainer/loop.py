@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from treetrain.config import Launch, RoleSettings, TrainConfig
+from treetrain.config.algorithms import objective
 from treetrain.engines import build_engine, builtin
 from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
 from treetrain.engines.errors import CheckpointUnreadableError
@@ -128,7 +129,7 @@ class Trainer:
         if cfg.ref is not None and not use_ref:
             self.log("ref: configured but trainer.loss.klCoef is 0, so no reference model is built")
         self.critic = self._colocated(cfg.critic, "critic", optimize=True) if cfg.critic is not None else None
-        self.loss = PPOLoss(t.loss)
+        self.loss = PPOLoss(t.loss, objective(t))  # the algorithm's preset resolved
         self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
         self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
