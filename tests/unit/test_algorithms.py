@@ -459,3 +459,29 @@ def test_sequence_reductions_tree_equals_flat(
     norm = torch.stack([g.norm() for g in tg.values()]).norm()
     want_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()
     torch.testing.assert_close(norm, want_norm, rtol=1e-4, atol=0)
+
+
+# -- the trainer --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "reinforce++", "dr-grpo", "dapo", "gspo"])
+def test_every_preset_trains(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each preset through the real trainer (tiny model, 2 steps): finite losses, and the
+    sequence options reach the loss (gspo's ratio is 1 at one update per batch, exactly)."""
+    from test_train import small
+
+    from treetrain import config as C
+    from treetrain.trainer.loop import Trainer
+
+    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
+        monkeypatch.delenv(name, raising=False)
+    lines: list[str] = []
+    trainer = Trainer(C.validate(small(algorithm=algorithm, steps=2)), log=lines.append)
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    assert len(summary.records) == 2
+    assert all(math.isfinite(r.loss) and math.isfinite(r.grad_norm) for r in summary.records)
+    if algorithm == "gspo":
+        assert all(r.stats["ratio"] == pytest.approx(1.0) for r in summary.records)
