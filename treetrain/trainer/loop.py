@@ -2,7 +2,8 @@
 
 The trainer is a composition: engines from :func:`treetrain.engines.build_engine`, rollouts
 and batches from :mod:`treetrain.rl.collect`, a rollout client from :mod:`treetrain.rl.rollout`,
-checkpoints from :mod:`treetrain.trainer.checkpoints`. Every rank runs the same loop on the
+the weight sync from :mod:`treetrain.trainer.weight_sync`, checkpoints from
+:mod:`treetrain.trainer.checkpoints`. Every rank runs the same loop on the
 same batch: rank 0's rollouts are broadcast, every rank packs the batch identically and
 trains its share of the trees.
 """
@@ -31,19 +32,11 @@ from treetrain.metrics import StepFigures, TrainerMetrics
 from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch
 from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
-from treetrain.rl.rollout import (
-    Generation,
-    HTTPRollout,
-    LocalRollout,
-    MixedRollout,
-    RolloutClient,
-    SamplingParams,
-    remote_client,
-)
+from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
 from treetrain.rl.task import Task, load_task
-from treetrain.rl.weight_sync import WeightSender
 from treetrain.trainer.checkpoints import Checkpoints
 from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
+from treetrain.trainer.weight_sync import WeightSync
 
 
 @dataclass(slots=True)
@@ -132,8 +125,9 @@ class Trainer:
         self.loss = PPOLoss(t.loss, objective(t))  # the algorithm's preset resolved
         self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
-        self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
-        self.synced_version: int | None = None  # the weights the servers were last sent (None: the initial ones)
+        self.weights = WeightSync(
+            actor=self.actor, client=self.client, checkpoints=self.checkpoints, settings=cfg.rollout, log=self.log
+        )
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
         self.batches: list[TrainBatch] = []  # the last few, for the tree vs flat comparison
@@ -267,7 +261,7 @@ class Trainer:
         return gens
 
     def collect(self, step: int) -> Rollouts:
-        self._resend_if_restarted()
+        self.weights.resend_if_restarted()
         rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock)
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
@@ -295,8 +289,7 @@ class Trainer:
             stats = self.actor.forward_backward(batch, self.loss)
             norm = self.actor.step()
         t2 = time.perf_counter()
-        if self.remote:
-            self._sync_weights(step + 1)
+        self.weights.sync(step + 1)
         self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
         record = StepRecord(
             step=step + 1,
@@ -340,58 +333,12 @@ class Trainer:
         self.critic.step()
         return stats.loss
 
-    def _resend_if_restarted(self) -> None:
-        """A server that restarted since the last sync serves the weights it started with: send it
-        (every server) the current version again before sampling."""
-        version = self.synced_version
-        if not self.remote or version is None:
-            return
-        stale: list[Any] = [self.client.stale_servers(version) if self.main and self.client else []]
-        if self.layout.world_size > 1:
-            dist.broadcast_object_list(stale, src=0)  # every rank joins the weight gather
-        if stale[0]:
-            self.log(
-                f"rollout: {', '.join(stale[0])} does not hold weight version {version} (restarted?); sending it again"
-            )
-            if self.sender is not None:
-                self.sender.reset()  # its ranks left the weight-update group with it
-            self._sync_weights(version)
-
-    def _sync_weights(self, version: int) -> None:
-        self.synced_version = version
-        if self.cfg.rollout.weight_sync.method == "distributed":
-            weights = self.actor.hf_weights()  # every rank joins the gather; rank 0 holds them
-            if self.main:
-                assert weights is not None
-                self._sender().push(weights.items(), version)
-            self._barrier()
-            return
-        if self.checkpoints.root is None:
-            raise EngineConfigError("disk weight sync needs checkpoint.dir (a path the rollout servers also mount)")
-        path = self.checkpoints.weights_dir(version)
-        self.actor.export_hf(path)
-        if self.main:
-            assert self.client is not None
-            self.client.update_weights(str(path), version)
-            self.checkpoints.prune_weights()  # every server has loaded this version: older ones go
-        self._barrier()
-
-    def _sender(self) -> WeightSender:
-        """Rank 0's end of the weight-update group, joined with every server at the first sync."""
-        if self.sender is None:
-            assert isinstance(self.client, HTTPRollout | MixedRollout)
-            self.sender = WeightSender(
-                self.client.sync_targets(), self.cfg.rollout.servers, self.cfg.rollout.weight_sync
-            )
-            self.sender.connect()
-        return self.sender
-
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> Summary:
         t = self.cfg.trainer
         start = self._restore()
-        if start > 0 and self.remote:
-            self._sync_weights(start)  # the servers still serve the initial weights: send the resumed ones
+        if start > 0:
+            self.weights.sync(start)  # the servers still serve the initial weights: send the resumed ones
         self._serve_metrics()
         begin = time.perf_counter()
         records = []
@@ -476,8 +423,7 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
-        if self.sender is not None:
-            self.sender.close()
+        self.weights.close()
         if self.client is not None:
             self.client.close()
         torch.set_num_threads(self._threads)

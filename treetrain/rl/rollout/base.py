@@ -1,0 +1,78 @@
+"""What every rollout source shares: sampling parameters, the generation it returns, the client
+interface, and the errors."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from treetrain.rl.rollout.gate import WeightGate  # gate.py imports RolloutError from here
+
+KINDS = ("local", "sglang", "vllm")
+REMOTE_KINDS = ("sglang", "vllm")  # the server kinds :func:`remote_client` builds clients for
+
+_NO_ENDPOINTS = "no rollout servers: set rollout.servers or TREETRAIN_ROLLOUT_ENDPOINTS"
+
+
+class RolloutError(RuntimeError):
+    """A rollout server that cannot be reached or answered wrongly."""
+
+
+class Unknown(enum.Enum):
+    """A server that cannot report which weights it holds."""
+
+    UNKNOWN = "unknown"
+
+
+UNKNOWN = Unknown.UNKNOWN
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One reply: its tokens, the sampler's log-prob of each, and ``versions[i]``, the weight
+    version token i was sampled with (one entry per token from every client)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str = "length"
+    versions: list[int] = field(default_factory=list)
+
+
+class RolloutClient(ABC):
+    """A rollout source. ``gate`` says which weights it serves and holds requests back while a
+    weight update runs (treetrain.rl.rollout.gate)."""
+
+    kind: str
+    gate: WeightGate
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
+        """One generation per prompt, in order."""
+
+    def update_weights(self, path: str, version: int) -> None:  # noqa: B027 - a no-op unless remote
+        """Load the weights saved at ``path`` (remote servers); local rollout shares the model."""
+
+    def wait_ready(self, timeout_s: float) -> None:  # noqa: B027
+        """Block until every server answers its health check."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release connections (nothing to release for plain HTTP requests)."""
+
+    def forget(self) -> None:  # noqa: B027
+        """Drop what was kept between the calls of one batch (local rollout: the KV cache)."""
+
+    def stale_servers(self, version: int) -> list[str]:
+        """Servers that report weights other than ``version`` (restarted since the last sync)."""
+        return []
