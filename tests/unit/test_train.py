@@ -122,6 +122,12 @@ def test_an_override_that_breaks_a_rule_names_the_variable() -> None:
         ({"critic": {"backend": "fsdp:d2"}, "trainer": {"algorithm": "ppo"}}, {}, "world size must be the actor's"),
         ({"trainer": {"algorithm": "ppo"}}, {}, "ppo needs a critic"),
         ({"trainer": {"loss": {"klCoef": 0.1}}}, {}, "needs a reference model"),
+        (
+            {"trainer": {"rollout": {"maxStaleness": 1}}},
+            {},
+            "trainer.rollout.maxStaleness: 1 needs rollout servers (local rollout samples with the trainer's own model",
+        ),
+        ({"trainer": {"rollout": {"maxStaleness": -1}}}, {}, "trainer.rollout.maxStaleness: input should be greater"),
         ({"model": {"path": "builtin:huge"}}, {}, "unknown built-in model"),
         ({}, {"TREETRAIN_ROLE": "critic"}, "TREETRAIN_ROLE: critic: separate critic pods"),
         (
