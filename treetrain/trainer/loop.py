@@ -6,11 +6,17 @@ the weight sync from :mod:`treetrain.trainer.weight_sync`, checkpoints from
 :mod:`treetrain.trainer.checkpoints`. Every rank runs the same loop on the
 same batch: rank 0's rollouts are broadcast, every rank packs the batch identically and
 trains its share of the trees.
+
+A step reads collect -> train -> sync. With ``trainer.rollout.maxStaleness`` 0 (local rollout's
+only value) collect plays the step's episodes then and there; with N >= 1 (remote servers) rank
+0's :class:`treetrain.rl.controller.RolloutController` plays the next steps' groups in threads
+while the trainer trains, and collect takes the finished ones.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import threading
@@ -25,11 +31,14 @@ import torch.distributed as dist
 
 from treetrain.config import Launch, RoleSettings, TrainConfig
 from treetrain.config.algorithms import objective
+from treetrain.config.schema import max_staleness
 from treetrain.engines import build_engine, builtin
 from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.metrics import StepFigures, TrainerMetrics
-from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch
+from treetrain.rl.advantages import informative_groups
+from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch, play_episodes, seed_of
+from treetrain.rl.controller import RolloutController
 from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
@@ -51,6 +60,10 @@ class StepRecord:
     train_seconds: float
     grad_norm: float
     stats: dict[str, float] = field(default_factory=dict)
+    # Synchronous: the rollout part, and the training and weight sync; asynchronous: the time the
+    # trainer waited in take(), and the time no group was playing.
+    trainer_idle_seconds: float = 0.0
+    rollout_idle_seconds: float = 0.0
 
     @property
     def train_tokens_per_second(self) -> float:
@@ -128,6 +141,12 @@ class Trainer:
         self.weights = WeightSync(
             actor=self.actor, client=self.client, checkpoints=self.checkpoints, settings=cfg.rollout, log=self.log
         )
+        # Asynchronous rollout (maxStaleness >= 1 needs servers): rank 0's controller, made by run().
+        self.max_staleness = max_staleness(t.rollout, cfg.rollout.servers) if self.remote else 0
+        self.controller: RolloutController | None = None
+        self.rollout_state: dict[str, Any] | None = None  # the controller's, read from the resumed checkpoint
+        self._marks: dict[str, float] = {}  # rollout counters at the previous step: steps report increments
+        self._waited = 0.0  # seconds rank 0 waited in the controller's take()
         self.metrics = TrainerMetrics()
         self.metrics_port: int | None = None
         self.batches: list[TrainBatch] = []  # the last few, for the tree vs flat comparison
@@ -190,6 +209,10 @@ class Trainer:
         self.actor.save(path, extra)
         if self.critic is not None:
             self.critic.save(path, extra)
+        if self.main and self.controller is not None:
+            # Finished untrained groups and what each step has consumed: a resumed run neither
+            # loses nor repeats a group.
+            (path / ROLLOUT_STATE).write_text(json.dumps(self.controller.state()))
         self._barrier()
         if self.main:
             self.checkpoints.commit(step)
@@ -209,6 +232,7 @@ class Trainer:
                 step = int(path.name.removeprefix("step-"))
                 self.log(f"resumed from {path} (step {step})")
                 self.checkpoints.resumed_from = path  # kept by every prune of this run
+                self.rollout_state = read_rollout_state(path) if self.main else None
                 return step
             self.checkpoints.unreadable.add(path)  # the next save prunes it first
             self.log(f"checkpoint: {problem}; trying an older one")
@@ -262,14 +286,113 @@ class Trainer:
 
     def collect(self, step: int) -> Rollouts:
         self.weights.resend_if_restarted()
+        if self.max_staleness >= 1:
+            return self._take(step)
         rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock)
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
         return rollouts
 
+    def _take(self, step: int) -> Rollouts:
+        """Asynchronous rollout: rank 0 takes the step's groups from the controller (waiting only
+        for those not finished yet) and broadcasts them, as the synchronous loop broadcasts its
+        generations; an error reaches every rank, so none waits in the broadcast."""
+        out: list[Any] = [None]
+        if self.main:
+            assert self.controller is not None
+            began = time.perf_counter()
+            try:
+                out = [self.controller.take(step)]
+            except Exception as err:
+                out = [err]
+            self._waited += time.perf_counter() - began
+        if self.layout.world_size > 1:
+            dist.broadcast_object_list(out, src=0)
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        rollouts: Rollouts = out[0]
+        return rollouts
+
+    def _play_group(self, step: int, g: int, clock: TaskClock) -> Rollouts:
+        """Group ``g`` of ``step``, in a controller thread on rank 0: its episodes played turn by
+        turn as the synchronous loop plays them, each turn's replies in one request batch."""
+        t, client = self.cfg.trainer, self.client
+        assert client is not None
+
+        def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+            return client.generate(prompts, params, seed=seed)
+
+        return play_episodes(
+            self.task,
+            generate,
+            t,
+            step,
+            [g] * t.group_size,
+            turn_seed=lambda turn: seed_of(t.seed, step, 1_000_003, g, turn),
+            clock=clock,
+            version=lambda: client.gate.version,
+        )
+
+    def _start_rollout(self, start: int) -> None:
+        """Asynchronous rollout: rank 0 starts the controller at the weights the servers hold."""
+        if self.max_staleness < 1 or not self.main:
+            return
+        t = self.cfg.trainer
+        informative = (
+            (lambda r: bool(informative_groups(r.rewards, r.groups))) if objective(t).dynamic_sampling else None
+        )
+        self.controller = RolloutController(
+            self._play_group,
+            task=t.task,
+            episode_timeout_s=t.episode_timeout_seconds,
+            groups_per_step=t.groups_per_step,
+            max_staleness=self.max_staleness,
+            steps=t.steps,
+            start_step=start,
+            version=start,
+            keep=informative,
+            state=self.rollout_state,
+            log=self.log,
+        )
+
+    def _stop_rollout(self) -> None:
+        if self.controller is not None:
+            self.controller.stop(timeout_s=STOP_JOIN_S)
+
+    def _rollout_figures(self, step: int, rollouts: Rollouts, collect_s: float, rest_s: float) -> dict[str, Any]:
+        """What the step's rollout side reports (rank 0; the metrics' increments since the last
+        step): staleness per sample, the buffer, idle seconds, dropped groups, resubmissions."""
+        c, marks = self.controller, self._marks
+
+        def since(name: str, now: float) -> float:
+            before, marks[name] = marks.get(name, 0.0), now
+            return now - before
+
+        resubmitted = since("resubmitted", float(getattr(self.client, "resubmitted", 0)))
+        if c is None:  # synchronous: the trainer waits through the rollout, the servers through the rest
+            return {
+                "staleness": (0,) * len(rollouts.samples),
+                "trainer_idle_seconds": collect_s,
+                "rollout_idle_seconds": rest_s,
+                "dropped_filtered": rollouts.dropped_groups,
+                "dropped_failed": 0,
+                "resubmitted": int(resubmitted),
+                "buffer_groups": 0,
+            }
+        return {
+            "staleness": tuple(step - s.version for s in rollouts.samples),
+            "trainer_idle_seconds": since("waited", self._waited),
+            "rollout_idle_seconds": since("rollout_idle", c.idle_seconds()),
+            "dropped_filtered": int(since("filtered", c.dropped["filtered"])),
+            "dropped_failed": int(since("failed", c.dropped["failed"])),
+            "resubmitted": int(resubmitted),
+            "buffer_groups": c.buffered(),
+        }
+
     def train_step(self, step: int) -> StepRecord:
         t0 = time.perf_counter()
         rollouts = self.collect(step)
+        tc = time.perf_counter()
         batch = make_batch(rollouts, self.cfg.trainer)
         t1 = time.perf_counter()
         if self.ref is not None:
@@ -290,6 +413,12 @@ class Trainer:
             norm = self.actor.step()
         t2 = time.perf_counter()
         self.weights.sync(step + 1)
+        if self.controller is not None:
+            self.controller.set_version(step + 1)  # after the sync: admission never runs ahead of the servers
+        rollout = self._rollout_figures(step, rollouts, tc - t0, time.perf_counter() - tc) if self.main else {}
+        if self.controller is not None and rollout["staleness"]:
+            extra["staleness_max"] = float(max(rollout["staleness"]))
+            extra["staleness_mean"] = sum(rollout["staleness"]) / len(rollout["staleness"])
         self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
         record = StepRecord(
             step=step + 1,
@@ -302,6 +431,8 @@ class Trainer:
             train_seconds=t2 - t1,
             grad_norm=norm,
             stats={**stats.stats, **extra},
+            trainer_idle_seconds=rollout.get("trainer_idle_seconds", 0.0),
+            rollout_idle_seconds=rollout.get("rollout_idle_seconds", 0.0),
         )
         if self.main:
             self.metrics.observe_step(
@@ -318,6 +449,8 @@ class Trainer:
                     mismatch_max=stats.stats.get("behav_mismatch_max"),
                     capped_turns=rollouts.capped_turns,
                     capped_tokens=rollouts.capped_tokens,
+                    weight_version=step + 1,
+                    **rollout,
                 )
             )
         return record
@@ -340,6 +473,7 @@ class Trainer:
         if start > 0:
             self.weights.sync(start)  # the servers still serve the initial weights: send the resumed ones
         self._serve_metrics()
+        self._start_rollout(start)
         begin = time.perf_counter()
         records = []
         tree = self.cfg.actor.tree_training
@@ -378,12 +512,15 @@ class Trainer:
                     saved = True
                     last_saved = rec.step
                 if rec.step < t.steps and self._stop_requested():
-                    # Kubernetes sends SIGTERM before it kills a pod: keep the step just trained.
+                    # Kubernetes sends SIGTERM before it kills a pod: keep the step just trained
+                    # (and, asynchronous, the groups finished for the next steps).
+                    self._stop_rollout()
                     if self.checkpoints.root is not None and not saved:
                         self.save(rec.step)
                     self.log(f"SIGTERM: stopped after step {rec.step} (checkpoint: {self.checkpoints.latest()})")
                     interrupted = True
                     break
+        self._stop_rollout()
         return Summary(
             records=records,
             seconds=time.perf_counter() - begin,
@@ -403,6 +540,8 @@ class Trainer:
         def handler(signum: int, frame: Any) -> None:
             self._sigterm = True
             self.task_clock.stop_soon()  # a task call that hangs is stopped, not waited for
+            if self.controller is not None:
+                self.controller.halt()  # groups of later steps wait for the resumed run
 
         previous = signal.signal(signal.SIGTERM, handler)
         try:
@@ -422,11 +561,28 @@ class Trainer:
         return compare_tree_vs_flat(self.actor, self.loss, self.batches, rounds=self.cfg.trainer.compare_rounds)
 
     def close(self) -> None:
+        self._stop_rollout()
         self.metrics.close()
         self.weights.close()
         if self.client is not None:
             self.client.close()
         torch.set_num_threads(self._threads)
+
+
+ROLLOUT_STATE = "rollout.json"  # the rollout controller's state, beside the engines' files
+STOP_JOIN_S = 5.0  # SIGTERM or the end: how long the rollout threads get to finish
+
+
+def read_rollout_state(path: Path) -> dict[str, Any] | None:
+    """The rollout controller's state saved in checkpoint ``path`` (None: a synchronous run's)."""
+    file = path / ROLLOUT_STATE
+    if not file.is_file():
+        return None
+    try:
+        state: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointUnreadableError(f"{file} cannot be read ({err}); it holds the rollout buffer") from None
+    return state
 
 
 def format_record(rec: StepRecord, total: int) -> str:
@@ -444,6 +600,11 @@ def format_record(rec: StepRecord, total: int) -> str:
             f" | episodes capped: {rec.stats['episodes_capped_turns']:.0f} at trainer.maxTurns, "
             f"{rec.stats['episodes_capped_tokens']:.0f} at trainer.maxEpisodeTokens"
             if "episodes_capped_turns" in rec.stats
+            else ""
+        )
+        + (
+            f" | staleness max {rec.stats['staleness_max']:.0f} mean {rec.stats['staleness_mean']:.2f}"
+            if "staleness_max" in rec.stats
             else ""
         )
     )
