@@ -288,7 +288,9 @@ class Trainer:
         self.weights.resend_if_restarted()
         if self.max_staleness >= 1:
             return self._take(step)
-        rollouts = collect_rollouts(self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock)
+        rollouts = collect_rollouts(
+            self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
+        )
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
         return rollouts
