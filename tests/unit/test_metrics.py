@@ -111,14 +111,17 @@ def test_the_rollout_metrics_are_exported_from_the_first_scrape_and_count_what_s
         assert before[("treetrain_rollout_groups_dropped_total", (("reason", reason),))] == 0
     assert before[("treetrain_rollout_staleness_count", ())] == 0
     assert before[("treetrain_weight_version", ())] == 0
-    assert after[("treetrain_rollout_staleness_count", ())] == 4
-    assert after[("treetrain_rollout_staleness_bucket", (("le", "0.0"),))] == 1
-    assert after[("treetrain_rollout_staleness_bucket", (("le", "1.0"),))] == 3
-    assert after[("treetrain_rollout_staleness_sum", ())] == 4
-    assert after[("treetrain_rollout_buffer_groups", ())] == 3
-    assert after[("treetrain_rollout_idle_seconds_total", ())] == 0.25
-    assert after[("treetrain_trainer_idle_seconds_total", ())] == 1.5
-    assert after[("treetrain_rollout_groups_dropped_total", (("reason", "filtered"),))] == 2
-    assert after[("treetrain_rollout_groups_dropped_total", (("reason", "failed"),))] == 1
-    assert after[("treetrain_rollout_resubmitted_total", ())] == 4
-    assert after[("treetrain_weight_version", ())] == 7
+    want = {
+        ("treetrain_rollout_staleness_count", ()): 4,
+        ("treetrain_rollout_staleness_bucket", (("le", "0.0"),)): 1,
+        ("treetrain_rollout_staleness_bucket", (("le", "1.0"),)): 3,
+        ("treetrain_rollout_staleness_sum", ()): 4,
+        ("treetrain_rollout_buffer_groups", ()): 3,
+        ("treetrain_rollout_idle_seconds_total", ()): 0.25,
+        ("treetrain_trainer_idle_seconds_total", ()): 1.5,
+        ("treetrain_rollout_groups_dropped_total", (("reason", "filtered"),)): 2,
+        ("treetrain_rollout_groups_dropped_total", (("reason", "failed"),)): 1,
+        ("treetrain_rollout_resubmitted_total", ()): 4,
+        ("treetrain_weight_version", ()): 7,
+    }
+    assert {key: after[key] for key in want} == want

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_train import small
 
 from treetrain import config as C
 from treetrain.trainer.loop import ROLLOUT_STATE, StepRecord, Trainer
@@ -34,29 +35,13 @@ def standin() -> Iterator[RolloutStandin]:
 
 
 def config(url: str, ckpt: Path, *, staleness: int | None, steps: int = 4) -> dict[str, Any]:
+    """test_train's small config against the stand-in, weights synced by disk."""
     rollout: dict[str, Any] = {"kind": "sglang", "timeoutSeconds": 60, "retries": 1, "readyTimeoutSeconds": 60}
     if staleness is not None:
         rollout["maxStaleness"] = staleness
-    return {
-        "model": {"path": "builtin:tiny-llama", "seed": 1},
-        "actor": {
-            "backend": "fsdp:d1",
-            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
-        },
-        "trainer": {
-            "steps": steps,
-            "task": "builtin:parity",
-            "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
-            "groupsPerStep": 2,
-            "groupSize": 2,
-            "optimizer": {"lr": 1e-2},
-            "metrics": {"enabled": False},
-            "threads": 1,
-            "rollout": rollout,
-        },
-        "rollout": {"servers": [{"url": url, "kind": "sglang"}], "weightSync": {"method": "disk"}},
-        "checkpoint": {"dir": str(ckpt), "intervalSteps": 1000},
-    }
+    cfg = small(ckpt, steps=steps, rollout=rollout)
+    cfg["checkpoint"]["intervalSteps"] = 1000
+    return {**cfg, "rollout": {"servers": [{"url": url, "kind": "sglang"}], "weightSync": {"method": "disk"}}}
 
 
 def run(cfg: dict[str, Any], **kw: Any) -> tuple[Trainer, list[StepRecord], list[str]]:
@@ -107,18 +92,8 @@ def test_sigterm_keeps_the_rollout_buffer_and_the_resumed_run_trains_every_group
 ) -> None:
     ckpt = tmp_path / "ckpt"
     raw = config(standin.url, ckpt, staleness=2, steps=5)
-    trainer = Trainer(C.validate(raw), log=lambda _: None)
     taken: list[tuple[int, list[int], list[list[int]]]] = []
-    take = trainer._take
-
-    def take_then_sigterm(step: int) -> Any:
-        rollouts = take(step)
-        taken.append((step, sorted(set(rollouts.groups)), [s.tokens for s in rollouts.samples]))
-        if step == 1:
-            signal.raise_signal(signal.SIGTERM)
-        return rollouts
-
-    trainer._take = take_then_sigterm  # type: ignore[method-assign]
+    trainer = recording(Trainer(C.validate(raw), log=lambda _: None), taken, sigterm_after=1)
     try:
         summary = trainer.run()
     finally:
@@ -127,15 +102,7 @@ def test_sigterm_keeps_the_rollout_buffer_and_the_resumed_run_trains_every_group
     state = json.loads((ckpt / "step-00000002" / ROLLOUT_STATE).read_text())
     assert state["next_step"] == 2
 
-    again = Trainer(C.validate(raw), log=lambda _: None)
-    take2 = again._take
-
-    def record(step: int) -> Any:
-        rollouts = take2(step)
-        taken.append((step, sorted(set(rollouts.groups)), [s.tokens for s in rollouts.samples]))
-        return rollouts
-
-    again._take = record  # type: ignore[method-assign]
+    again = recording(Trainer(C.validate(raw), log=lambda _: None), taken)
     try:
         resumed = again.run()
     finally:
@@ -149,3 +116,21 @@ def test_sigterm_keeps_the_rollout_buffer_and_the_resumed_run_trains_every_group
             done = state["steps"][str(s)]["done"]
             saved = [smp["tokens"] for g in sorted(done, key=int) for smp in done[g]["samples"]]
             assert all(t in tokens for t in saved)
+
+
+def recording(
+    trainer: Trainer, taken: list[tuple[int, list[int], list[list[int]]]], sigterm_after: int = -1
+) -> Trainer:
+    """``trainer`` noting every step it takes (step, group ids, sample tokens) into ``taken``,
+    and sending itself SIGTERM (as Kubernetes does) after taking step ``sigterm_after``."""
+    take = trainer._take
+
+    def noted(step: int) -> Any:
+        rollouts = take(step)
+        taken.append((step, sorted(set(rollouts.groups)), [s.tokens for s in rollouts.samples]))
+        if step == sigterm_after:
+            signal.raise_signal(signal.SIGTERM)
+        return rollouts
+
+    trainer._take = noted  # type: ignore[method-assign]
+    return trainer
