@@ -43,6 +43,12 @@ class FakeServer:
         self.calls: list[tuple[str, str, Any]] = []
         self.fail_first = fail_first
         self.weight_version: Any = "default" if kind == "sglang" else None  # what a fresh server reports
+        # abort_after=n: the next generation samples n tokens, then (wait_for_pause) waits for a
+        # pause and answers finish_reason "abort" with them, as the real servers' mode "abort" does.
+        self.abort_after: int | None = None
+        self.wait_for_pause = True
+        self.generating = threading.Event()  # a generation to be aborted has its tokens
+        self.paused = threading.Event()
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,18 +103,27 @@ class FakeServer:
         if self.fail_first > 0 and path in ("/generate", "/v1/completions"):
             self.fail_first -= 1
             return 503, {"error": "warming up"}
+        if path.startswith(("/pause_generation", "/pause?")):
+            self.paused.set()
+        reason = "length"
+        if path in ("/generate", "/v1/completions") and self.abort_after is not None:
+            cut, self.abort_after = self.abort_after, None
+            self.generating.set()
+            if self.wait_for_pause:
+                assert self.paused.wait(30), "no pause came"
+            reason = "abort"
         if self.kind == "sglang":
             if path == "/generate":
                 if not isinstance(body.get("input_ids"), list):
                     return 400, {"error": "input_ids required"}
-                n = body["sampling_params"]["max_new_tokens"]
+                n = body["sampling_params"]["max_new_tokens"] if reason != "abort" else cut
                 toks = _tokens(body["input_ids"], n)
                 return 200, {
                     "text": "",
                     "output_ids": toks,
                     "meta_info": {
                         "id": "r",
-                        "finish_reason": {"type": "length", "length": n},
+                        "finish_reason": {"type": reason, "length": n},
                         "prompt_tokens": len(body["input_ids"]),
                         "completion_tokens": n,
                         "output_token_logprobs": [[-0.5, t, None] for t in toks],
@@ -123,16 +138,17 @@ class FakeServer:
                 return (200 if ok else 400), {"success": ok, "message": "", "num_paused_requests": 0}
         if self.kind == "vllm":
             if path == "/v1/completions":
-                n = body["max_tokens"]
+                n = body["max_tokens"] if reason != "abort" else cut
                 toks = _tokens(body["prompt"], n)
+                logprobs = {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.25] * n}
                 return 200, {
                     "choices": [
                         {
                             "index": 0,
                             "text": "",
                             "token_ids": toks,
-                            "finish_reason": "length",
-                            "logprobs": {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.25] * n},
+                            "finish_reason": reason,
+                            "logprobs": logprobs if n else None,  # vLLM sends none for an abort before any token
                         }
                     ]
                 }
@@ -256,7 +272,7 @@ def test_vllm_weight_sync_sequence(vllm: FakeServer, tmp_path: Path) -> None:
     it, as a broadcast is, and the version recorded (restarts show)."""
     client = VLLMRollout(endpoints=[vllm.url])
     client.update_weights(str(weights_dir(tmp_path)), 1)
-    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert vllm.paths() == ["/pause?mode=abort", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     probe, load = [b for m, p, b in vllm.calls if p == "/collective_rpc"]
     assert probe == {"method": "loaded_weight_version", "kwargs": {}}
     assert load == {"method": "load_weights_from_disk", "kwargs": {"weights_path": str(tmp_path), "version": 1}}
@@ -268,7 +284,7 @@ def test_vllm_without_our_extension_reloads_with_its_own_method(tmp_path: Path) 
     try:
         VLLMRollout(endpoints=[plain.url]).update_weights(str(weights_dir(tmp_path)), 1)
         assert plain.paths() == [
-            "/pause?mode=keep",
+            "/pause?mode=abort",
             "/collective_rpc",
             "/collective_rpc",
             "/reset_prefix_cache",
@@ -316,7 +332,7 @@ def test_servers_without_pause_routes_still_reload(kind: str, tmp_path: Path) ->
         client.update_weights(str(weights_dir(tmp_path)), 1)
         # The pause was tried, no resume (vLLM: the version recorded and the prefix cache dropped).
         sglang = ["/pause_generation", "/update_weights_from_disk"]
-        vllm = ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
+        vllm = ["/pause?mode=abort", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
         assert old.paths() == (sglang if kind == "sglang" else vllm)
     finally:
         old.close()
@@ -374,7 +390,7 @@ def test_mixed_weight_sync_and_health_reach_every_server(sglang: FakeServer, vll
     assert sglang.paths("GET") == ["/health"] and vllm.paths("GET") == ["/health"]
     client.update_weights(str(weights_dir(tmp_path)), 2)
     assert sglang.paths() == ["/pause_generation", "/update_weights_from_disk", "/continue_generation"]
-    assert vllm.paths() == ["/pause?mode=keep", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert vllm.paths() == ["/pause?mode=abort", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     client.forget()
     client.close()
 
@@ -455,3 +471,160 @@ def test_trainer_speaks_to_each_engines_servers_in_their_own_api(
     assert "/v1/completions" in vllm.paths() and "/generate" not in vllm.paths()
     assert "/update_weights_from_disk" in sglang.paths() and "/collective_rpc" in vllm.paths()
     assert not [c for c in sglang.calls + vllm.calls if c[1] in ("/model_info", "/v1/models")]  # kinds known: no probe
+
+
+# -- weight updates during generation, failing servers, many threads -----------------------
+
+
+def _client(kind: str, urls: list[str], **kwargs: Any) -> SGLangRollout | VLLMRollout:
+    return SGLangRollout(endpoints=urls, **kwargs) if kind == "sglang" else VLLMRollout(endpoints=urls, **kwargs)
+
+
+def _generate_in_thread(
+    client: Any, prompts: list[list[int]], params: SamplingParams
+) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(client.generate(prompts, params, seed=3))
+        except Exception as err:  # handed to the test thread
+            out.append(err)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _sent_prompts(server: FakeServer) -> list[tuple[list[int], int]]:
+    """(prompt, max new tokens) of every generation request, in order."""
+    key = ("input_ids", "prompt")[server.kind == "vllm"]
+    return [
+        (b[key], b["sampling_params"]["max_new_tokens"] if server.kind == "sglang" else b["max_tokens"])
+        for _, p, b in server.calls
+        if p in ("/generate", "/v1/completions")
+    ]
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_a_weight_update_interrupts_a_generation_which_resumes_with_its_tokens(kind: str, tmp_path: Path) -> None:
+    """The update pauses the server (mode abort) while a request is generating: the reply comes
+    back with 2 tokens and finish_reason "abort"; the client waits for the gate to open on version
+    1, sends the prompt plus those 2 tokens for the 3 tokens left, and the Generation carries both
+    versions, a log-prob for every token."""
+    server = FakeServer(kind)
+    try:
+        server.abort_after = 2
+        client = _client(kind, [server.url])
+        params = SamplingParams(max_new_tokens=5)
+        t, out = _generate_in_thread(client, [[1, 2, 3]], params)
+        assert server.generating.wait(30)
+        with client.gate.update(1):  # what WeightSync.sync does around the update
+            client.update_weights(str(weights_dir(tmp_path)), 1)
+        t.join(30)
+        (gen,) = out[0]
+        first = _tokens([1, 2, 3], 2)
+        assert gen.tokens == first + _tokens([1, 2, 3, *first], 3)
+        assert gen.versions == [0, 0, 1, 1, 1] and len(gen.logprobs) == 5 and gen.finish_reason == "length"
+        assert _sent_prompts(server) == [([1, 2, 3], 5), ([1, 2, 3, *first], 3)]
+        assert client.resubmitted == 1
+        # The resubmission waited for the whole update: it follows the resume.
+        sync = {
+            "sglang": ["/pause_generation", "/update_weights_from_disk", "/continue_generation"],
+            "vllm": ["/pause?mode=abort", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache", "/resume"],
+        }
+        gen_path = "/generate" if kind == "sglang" else "/v1/completions"
+        assert server.paths() == [gen_path, *sync[kind], gen_path]
+    finally:
+        server.close()
+
+
+def test_an_abort_before_any_token_resubmits_the_whole_prompt(tmp_path: Path) -> None:
+    server = FakeServer("vllm")
+    try:
+        server.abort_after = 0
+        client = _client("vllm", [server.url])
+        t, out = _generate_in_thread(client, [[4, 4]], PARAMS)
+        assert server.generating.wait(30)
+        with client.gate.update(7):
+            client.update_weights(str(weights_dir(tmp_path)), 7)
+        t.join(30)
+        (gen,) = out[0]
+        assert gen.tokens == _tokens([4, 4], 3) and gen.versions == [7, 7, 7]
+        assert _sent_prompts(server) == [([4, 4], 3), ([4, 4], 3)]
+    finally:
+        server.close()
+
+
+def test_a_dying_server_moves_its_request_to_another_with_the_tokens_so_far() -> None:
+    """One server aborts a request outside any weight update (it is shutting down), another refuses
+    connections: their requests go on the next endpoint, the partial tokens kept."""
+    dying, live = FakeServer("sglang"), FakeServer("vllm")
+    dead = FakeServer("sglang")
+    dead_url = dead.url
+    dead.close()  # nothing listens there now
+    try:
+        dying.abort_after, dying.wait_for_pause = 1, False
+        client = remote_client(
+            [(dying.url, "sglang"), (dead_url, "sglang"), (live.url, "vllm")], retries=1, timeout_s=10.0
+        )
+        for c in client.clients:  # type: ignore[attr-defined]
+            c.retry_backoff_s = 0.01
+        gens = client.generate([[1], [2], [3]], PARAMS, seed=0)
+        head = _tokens([1], 1)
+        assert gens[0].tokens == head + _tokens([1, *head], 2)  # 1 token on the dying server, 2 on the next
+        assert gens[0].versions == [0, 0, 0]
+        assert gens[1].tokens == _tokens([2], 3) and gens[2].tokens == _tokens([3], 3)
+        assert sorted(_sent_prompts(live)) == [([1, *head], 2), ([2], 3), ([3], 3)]
+        assert client.resubmitted == 3  # prompt 0 twice (dying, then dead), prompt 1 once (dead)
+    finally:
+        dying.close()
+        live.close()
+
+
+def test_a_request_fails_only_when_every_server_failed() -> None:
+    flaky = [FakeServer("sglang", fail_first=10), FakeServer("sglang", fail_first=10)]
+    try:
+        client = SGLangRollout(endpoints=[s.url for s in flaky], retries=0)
+        with pytest.raises(RolloutError, match=r"every rollout server failed.*HTTP 503.*HTTP 503"):
+            client.generate([[1]], PARAMS, seed=0)
+        assert [s.paths().count("/generate") for s in flaky] == [1, 1]
+    finally:
+        for s in flaky:
+            s.close()
+
+
+def test_many_threads_generate_at_once_and_the_round_robin_stays_even() -> None:
+    servers = [FakeServer("sglang"), FakeServer("sglang")]
+    try:
+        client = SGLangRollout(endpoints=[s.url for s in servers])
+        barrier = threading.Barrier(8)
+        results: dict[int, Any] = {}
+
+        def run(k: int) -> None:
+            barrier.wait(30)
+            results[k] = client.generate([[k, i] for i in range(4)], PARAMS, seed=k)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == list(range(8))
+        for k, gens in results.items():
+            assert [g.tokens for g in gens] == [_tokens([k, i], 3) for i in range(4)]
+            assert all(g.versions == [0, 0, 0] for g in gens)
+        assert [len(s.paths()) for s in servers] == [16, 16]  # every call took its block of the cursor
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_no_request_is_sent_while_the_gate_is_closed(sglang: FakeServer) -> None:
+    """A request that arrives during an update waits for it and is labelled with the new version."""
+    client = SGLangRollout(endpoints=[sglang.url])
+    with client.gate.update(4):
+        t, out = _generate_in_thread(client, [[5]], PARAMS)
+        assert not sglang.calls  # the request waits at the gate (it has not been sent)
+    t.join(30)
+    assert out[0][0].versions == [4, 4, 4] and len(sglang.paths()) == 1

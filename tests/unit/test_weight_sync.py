@@ -201,6 +201,7 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     sglang, vllm = standins
     raw = small()
+    raw["trainer"].setdefault("rollout", {})["maxStaleness"] = 0  # train_step driven here: the synchronous loop
     raw["rollout"] = {
         "servers": [{"url": sglang.url, "kind": "sglang"}, {"url": vllm.url, "kind": "vllm"}],
         "weightSync": {"masterPort": free_port(), "backend": "gloo", "timeoutSeconds": 60},
@@ -228,3 +229,57 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(
     assert all(torch.equal(again.weights(2)[n], t) for n, t in final.items())
     assert sglang.paths().count("/init_weights_update_group") == 2  # rejoined the new group
     assert "/destroy_weights_update_group" in sglang.paths()
+
+
+class _DiskActor:
+    """The two things a disk weight sync asks of the actor: its layout and an HF export. With
+    ``broken`` the export writes nothing, so the server cannot load the directory."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.layout = SimpleNamespace(is_main=True, world_size=1)
+        self.broken = False
+
+    def export_hf(self, path: Path) -> None:
+        if not self.broken:
+            path.mkdir(parents=True, exist_ok=True)
+
+
+def test_a_failed_weight_update_keeps_the_gate_closed_and_labels_nothing(tmp_path: Path) -> None:
+    """WeightSync.sync against an SGLang stand-in that cannot load the weights: RolloutError naming
+    the server, the gate closed and failed at the old version, so a generation request fails at
+    once instead of sampling weights of unknown version; the next sync that succeeds reopens it."""
+    from test_rl_rollout import PARAMS, FakeServer
+
+    from treetrain.rl.rollout import SGLangRollout
+    from treetrain.trainer.checkpoints import Checkpoints
+    from treetrain.trainer.weight_sync import WeightSync
+
+    server = FakeServer("sglang")
+    try:
+        client = SGLangRollout(endpoints=[server.url], retries=0)
+        actor = _DiskActor()
+        sync = WeightSync(
+            actor=actor,  # type: ignore[arg-type]
+            client=client,
+            checkpoints=Checkpoints(str(tmp_path), keep=1),
+            settings=C.RolloutServers(servers=[C.RolloutServer(url=server.url)], weight_sync={"method": "disk"}),
+            log=lambda _: None,
+        )
+        sync.sync(1)
+        assert client.gate.is_open and client.gate.version == 1
+        actor.broken = True
+        with pytest.raises(RolloutError, match=server.url):
+            sync.sync(2)
+        assert not client.gate.is_open and client.gate.version == 1
+        sent = server.paths().count("/generate")
+        with pytest.raises(RolloutError, match="update to version 2 failed"):
+            client.generate([[1, 2]], PARAMS, seed=0)
+        assert server.paths().count("/generate") == sent  # nothing was sampled
+        actor.broken = False
+        sync.sync(2)
+        (gen,) = client.generate([[1, 2]], PARAMS, seed=0)
+        assert gen.versions == [2, 2, 2]
+    finally:
+        server.close()

@@ -54,7 +54,20 @@ def trainer_logprobs(trainer: Trainer, seq: list[int]) -> torch.Tensor:
     return trainer.actor.forward([seq])[0].detach().float().cpu()
 
 
-def config(server: VLLMServer, tmp: Path, *, method: str = "distributed", steps: int = 2, **trainer: Any) -> Any:
+def config(
+    server: VLLMServer,
+    tmp: Path,
+    *,
+    method: str = "distributed",
+    steps: int = 2,
+    max_staleness: int | None = 0,
+    **trainer: Any,
+) -> Any:
+    """A short run against the server; synchronous (``max_staleness`` 0) unless told otherwise,
+    since most tests here drive ``train_step`` themselves (None: the default for servers)."""
+    rollout: dict[str, Any] = {"kind": "vllm", "temperature": 1.0, "retries": 1, "timeoutSeconds": 120}
+    if max_staleness is not None:
+        rollout["maxStaleness"] = max_staleness
     raw: dict[str, Any] = {
         "model": {"path": "builtin:smollm2-135m", "seed": 1},
         "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048}},
@@ -67,7 +80,7 @@ def config(server: VLLMServer, tmp: Path, *, method: str = "distributed", steps:
             "optimizer": {"lr": 1e-4},
             "loss": {"entropyCoef": 0.01},  # a gradient even when every group's rewards tie
             "metrics": {"enabled": False},
-            "rollout": {"kind": "vllm", "temperature": 1.0, "retries": 1, "timeoutSeconds": 120},
+            "rollout": rollout,
             **trainer,
         },
         "rollout": {
@@ -147,7 +160,7 @@ def test_every_route_the_client_calls_exists_on_the_real_server(vllm: VLLMServer
         ("GET", "/v1/models"),
         ("GET", "/health"),
         ("POST", "/v1/completions"),
-        ("POST", "/pause?mode=keep"),
+        ("POST", "/pause?mode=abort"),
         ("POST", "/resume"),
         ("POST", "/reset_prefix_cache"),
         ("POST", "/collective_rpc load_weights_from_disk"),
@@ -214,8 +227,9 @@ def hf_logprobs(model_dir: Path, *, embedding_scale: float = 1.0) -> torch.Tenso
 
 def test_a_server_killed_mid_rollout_fails_the_trainer_naming_it(vllm: VLLMServer, tmp_path: Path) -> None:
     """`treetrain train` against the real server, killed once its first completion was served:
-    the client retries, then the trainer exits 1 with an error naming the endpoint."""
-    raw = config(vllm, tmp_path, steps=1, groupsPerStep=4, groupSize=4)
+    the client retries, every group is dropped with a line naming the endpoint, then the trainer
+    exits 1 saying the step has no group to train."""
+    raw = config(vllm, tmp_path, steps=1, max_staleness=None, groupsPerStep=4, groupSize=4)
     raw["trainer"]["taskArgs"] = {"turns": 3, "maxNewTokens": 32}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -239,7 +253,8 @@ def test_a_server_killed_mid_rollout_fails_the_trainer_naming_it(vllm: VLLMServe
             proc.kill()
             proc.communicate()
     assert proc.returncode == 1, (out, err)
-    assert "rollout failed" in err and f"{vllm.url}/v1/completions failed" in err, err
+    assert "rollout failed" in err and "no group to train" in err, err
+    assert f"{vllm.url}/v1/completions failed" in out + err, (out, err)
 
 
 def test_a_restarted_server_gets_the_current_weights_before_sampling(vllm: VLLMServer, tmp_path: Path) -> None:

@@ -39,6 +39,12 @@ class WeightGate:
         with self._cond:
             return self._open
 
+    def changed_since(self, version: int) -> bool:
+        """Whether an update began after a request was sent with ``version`` (the gate closed, or
+        opened again on a newer version): then an aborted or broken reply was the update's doing."""
+        with self._cond:
+            return not self._open or self._version != version
+
     def wait_open(self, timeout: float) -> int:
         """Block until the gate is open and return the version it serves. Raises RolloutError when
         the last update failed (the servers' weights are unknown) or after ``timeout`` seconds."""

@@ -25,6 +25,7 @@ from treetrain.rl.rollout.base import (
     Unknown,
 )
 from treetrain.rl.rollout.gate import WeightGate
+from treetrain.rl.rollout.resubmit import Dispatch, ServerUnavailable, spread
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -60,22 +61,6 @@ def http_json(method: str, url: str, body: dict[str, Any] | None, timeout: float
         return status, raw.decode(errors="replace")
 
 
-def _spread(
-    targets: Sequence[_T],
-    start: int,
-    prompts: Sequence[list[int]],
-    seed: int,
-    send: Callable[[_T, list[int], int], Generation],
-) -> tuple[list[Generation], int]:
-    """Round-robin: prompt i goes to ``targets[(start + i) % n]`` with seed ``seed + i``, one request
-    per prompt, all at once. Returns the generations in prompt order and where the next call starts
-    (so consecutive small batches still reach every server)."""
-    jobs = [(targets[(start + i) % len(targets)], prompt, seed + i) for i, prompt in enumerate(prompts)]
-    with ThreadPoolExecutor(max_workers=min(64, max(1, len(jobs)))) as pool:
-        gens = list(pool.map(lambda job: send(*job), jobs))
-    return gens, (start + len(prompts)) % len(targets)
-
-
 def _in_parallel(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
     """``fn`` on every item at once, one thread each: a slow server costs its own time, not the sum.
     Every call finishes before the first error (in item order) is raised."""
@@ -93,7 +78,7 @@ class HTTPRollout(RolloutClient):
     retry_backoff_s: float = 1.0
     transport: Transport = http_json
     gate: WeightGate = field(default_factory=WeightGate)
-    _next: int = field(default=0, init=False)
+    dispatch: Dispatch = field(default_factory=Dispatch, init=False, repr=False)
     health_path: str = field(default="/health", init=False)
 
     def __post_init__(self) -> None:
@@ -101,8 +86,14 @@ class HTTPRollout(RolloutClient):
             raise RolloutError(_NO_ENDPOINTS)
         self.endpoints = [e.rstrip("/") for e in self.endpoints]
 
+    @property
+    def resubmitted(self) -> int:
+        """Generation requests sent again (interrupted by a weight update, or their server failed)."""
+        return self.dispatch.resubmitted
+
     def call(self, endpoint: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """A request with retries on connection errors and 5xx; 4xx fails at once."""
+        """A request with retries on connection errors and 5xx (then ServerUnavailable); 4xx fails
+        at once."""
         last = ""
         for attempt in range(self.retries + 1):
             try:
@@ -114,10 +105,10 @@ class HTTPRollout(RolloutClient):
                     return payload
                 last = f"HTTP {status}: {str(payload)[:300]}"
                 if status < 500:
-                    break
+                    raise RolloutError(f"{method} {endpoint}{path} failed: {last}")
             if attempt < self.retries:
                 time.sleep(self.retry_backoff_s * 2**attempt)
-        raise RolloutError(f"{method} {endpoint}{path} failed: {last}")
+        raise ServerUnavailable(f"{method} {endpoint}{path} failed: {last}")
 
     def optional(self, endpoint: str, method: str, path: str, body: dict[str, Any] | None) -> bool:
         """Like :meth:`call` for a route older servers lack: False when it answers 404."""
@@ -148,13 +139,13 @@ class HTTPRollout(RolloutClient):
                 time.sleep(1.0)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
-        gens, self._next = _spread(
-            self.endpoints, self._next, prompts, seed, lambda ep, p, s: self._generate_one(ep, p, params, s)
-        )
-        return gens
+        """Safe to call from several threads at once; every reply is complete (resubmit.py)."""
+        return spread(self.sync_targets(), self.dispatch, self.gate, prompts, params, seed, self.timeout_s)
 
     @abstractmethod
-    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation: ...
+    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+        """One request in the server's dialect. A reply cut short by a pause comes back with
+        finish_reason "abort" and the tokens sampled so far; ``versions`` is left empty."""
 
     def _each(self, fn: Callable[[str], None]) -> None:
         _in_parallel(fn, self.endpoints)

@@ -14,7 +14,8 @@ from treetrain.rl.rollout.base import (
     SamplingParams,
 )
 from treetrain.rl.rollout.gate import WeightGate
-from treetrain.rl.rollout.http import HTTPHealth, HTTPRollout, Transport, _in_parallel, _spread, http_json
+from treetrain.rl.rollout.http import HTTPHealth, HTTPRollout, Transport, _in_parallel, http_json
+from treetrain.rl.rollout.resubmit import Dispatch, spread
 from treetrain.rl.rollout.sglang import SGLangRollout
 from treetrain.rl.rollout.vllm import VLLMRollout
 
@@ -58,7 +59,7 @@ class MixedRollout(RolloutClient):
         self.kind = "+".join(c.kind for c in self.clients)
         # Every endpoint paired with the client that speaks its server's dialect.
         self.targets = [(c, ep) for c in self.clients for ep in c.endpoints]
-        self._next = 0
+        self.dispatch = Dispatch()
         self.gate = WeightGate()  # one for every server: they take each weight update together
         for c in self.clients:
             c.gate = self.gate
@@ -71,10 +72,13 @@ class MixedRollout(RolloutClient):
         return list(self.targets)
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
-        gens, self._next = _spread(
-            self.targets, self._next, prompts, seed, lambda t, p, s: t[0]._generate_one(t[1], p, params, s)
-        )
-        return gens
+        timeout_s = max(c.timeout_s for c in self.clients)
+        return spread(self.targets, self.dispatch, self.gate, prompts, params, seed, timeout_s)
+
+    @property
+    def resubmitted(self) -> int:
+        """Generation requests sent again (interrupted by a weight update, or their server failed)."""
+        return self.dispatch.resubmitted
 
     def update_weights(self, path: str, version: int) -> None:
         # Every kind at once: the reload takes as long as the slowest server, not the sum of them.

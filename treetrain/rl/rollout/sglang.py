@@ -25,23 +25,21 @@ class SGLangRollout(HTTPRollout):
             "logprob_start_len": len(prompt),  # log-probs of the output tokens only
             "stream": False,
         }
-        version = self.gate.version  # the weights this request is sampled with
         out = self.call(endpoint, "POST", "/generate", body)
         try:
             meta = out["meta_info"]
-            triples = meta["output_token_logprobs"]  # [logprob, token_id, text-or-null]
-            tokens = [int(t[1]) for t in triples]
-            logprobs = [float(t[0]) for t in triples]
             finish = meta.get("finish_reason") or {}
             reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
-        except (KeyError, TypeError, IndexError) as err:
+            # A pause (mode "abort") ends the request with the tokens sampled so far, maybe none.
+            triples = (meta.get("output_token_logprobs") or []) if reason == "abort" else meta["output_token_logprobs"]
+            tokens = [int(t[1]) for t in triples]  # [logprob, token_id, text-or-null]
+            logprobs = [float(t[0]) for t in triples]
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
             raise RolloutError(f"unexpected /generate answer from {endpoint}: {err!r} in {str(out)[:300]}") from None
-        if reason == "abort":
-            raise RolloutError(f"{endpoint} aborted a generation: {finish}")
-        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason, versions=[version] * len(tokens))
+        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
 
     def update_weights(self, path: str, version: int) -> None:
-        # Pause (aborting in-flight requests), load from disk, continue: AReaL's disk-mode order.
+        # Pause (aborting in-flight requests, which the client resubmits), load from disk, continue.
         def one(ep: str) -> None:
             # Older servers have no pause route: their weight update then waits for in-flight requests.
             paused = self.optional(ep, "POST", "/pause_generation", {"mode": "abort"})

@@ -32,23 +32,29 @@ class VLLMRollout(HTTPRollout):
         }
         if self.model:
             body["model"] = self.model
-        version = self.gate.version  # the weights this request is sampled with
         out = self.call(endpoint, "POST", "/v1/completions", body)
         try:
             choice = out["choices"][0]
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            reason = choice.get("finish_reason") or "length"
+            # A pause (mode "abort") ends the request with the tokens sampled so far, maybe none
+            # (then vLLM sends no log-probs at all).
+            lp = (
+                (choice["logprobs"] or {"token_logprobs": [], "tokens": []})
+                if reason == "abort"
+                else choice["logprobs"]
+            )
+            logprobs = [float(x) for x in lp["token_logprobs"]]
             if choice.get("token_ids") is not None:
                 tokens = [int(t) for t in choice["token_ids"]]
             else:  # "token_id:123" strings from return_tokens_as_token_ids
-                tokens = [int(str(t).rsplit(":", 1)[1]) for t in choice["logprobs"]["tokens"]]
-            reason = choice.get("finish_reason") or "length"
+                tokens = [int(str(t).rsplit(":", 1)[1]) for t in lp["tokens"]]
+            if len(tokens) != len(logprobs):
+                raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} log-probs")
         except (KeyError, TypeError, IndexError, ValueError) as err:
             raise RolloutError(
                 f"unexpected /v1/completions answer from {endpoint}: {err!r} in {str(out)[:300]}"
             ) from None
-        if reason == "abort":
-            raise RolloutError(f"{endpoint} aborted a generation")
-        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason, versions=[version] * len(tokens))
+        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
 
     def update_weights(self, path: str, version: int) -> None:
         # vLLM has no disk-reload route; its dev-mode collective_rpc calls a method of the workers.
@@ -57,7 +63,7 @@ class VLLMRollout(HTTPRollout):
 
         def one(ep: str) -> None:
             # /pause and /resume came after /collective_rpc: without them the reload runs unpaused.
-            paused = self.optional(ep, "POST", "/pause?mode=keep", None)
+            paused = self.optional(ep, "POST", "/pause?mode=abort", None)
             try:
                 # Our worker extension loads the directory as it loads a broadcast, exactly, and
                 # records the version (restarts show); vLLM's own reload_weights leaves a tied
@@ -76,7 +82,7 @@ class VLLMRollout(HTTPRollout):
         self._each(one)
 
     def pause(self, endpoint: str) -> bool:
-        return self.optional(endpoint, "POST", "/pause?mode=keep", None)
+        return self.optional(endpoint, "POST", "/pause?mode=abort", None)
 
     def resume(self, endpoint: str) -> None:
         # Cached prefixes hold keys and values of the old weights: drop them before sampling again.
