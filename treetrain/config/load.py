@@ -160,7 +160,12 @@ def dump_yaml(config: TrainConfig) -> str:
     """The config as YAML (what the operator writes into the ConfigMap): only what was set."""
     import yaml
 
-    return yaml.safe_dump(config.model_dump(mode="json", by_alias=True, exclude_unset=True), sort_keys=False)
+    data = config.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return yaml.dump(data, Dumper=_dumper(), sort_keys=False)
+
+
+# YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 reads it as a string).
+_FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d[\d_]*)?[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*(?:[eE][-+]?\d+)?$")
 
 
 @functools.cache
@@ -168,14 +173,21 @@ def _loader() -> Any:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """YAML 1.2 floats: ``1e-6`` is a number (PyYAML's YAML 1.1 reads it as a string)."""
+        """Reads YAML 1.2 floats as numbers."""
 
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:\d[\d_]*)?(?:\.\d[\d_]*)?[eE][-+]?\d+$|^[-+]?\d[\d_]*\.\d*(?:[eE][-+]?\d+)?$"),
-        list("-+0123456789."),
-    )
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
     return Loader
+
+
+@functools.cache
+def _dumper() -> Any:
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        """Quotes a string the loader would read as a float (``"0E0"``), so a dump reads back unchanged."""
+
+    Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+    return Dumper
 
 
 # -- the environment ------------------------------------------------------------------------
