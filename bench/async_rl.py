@@ -3,15 +3,18 @@
     python bench/async_rl.py [--steps 8] [--staleness 0 1 2] [--token-delay auto] [--json out.json]
 
 The trainer is the real one (``Trainer``: builtin:tiny-llama on builtin:parity, tree packing,
-GRPO, one torch thread) and its rollout server is bench/rollout_standin.py, whose generation
-time is simulated (a per-token condition wait: no CPU), so the rollout side and the training
-side do not compete for the cores. Weights go to the stand-in by disk (``checkpoint.dir`` in a
+GRPO, one torch thread) and its rollout server is bench/rollout_standin.py in a process of its
+own, whose generation time is simulated (a per-token condition wait: no CPU), so the rollout
+servers take no CPU from training; the rollout controller's threads (HTTP requests, the task's
+code) do run in the trainer's process, as they do in a real run. Weights go to the stand-in by disk (``checkpoint.dir`` in a
 temporary directory), as a disk-synced server gets them. Each mode of ``--staleness`` trains the
 same number of steps from the same seed in this one process: ``0`` is the synchronous loop
 (rollout, then training, then the weight sync), ``N >= 1`` is ``trainer.rollout.maxStaleness: N``
 (the next steps' groups are generated while a step trains).
 
-``--token-delay auto`` first runs a short synchronous calibration (2 steps at 1 ms a token, which
+The stand-in generates at most one step's requests at once (``--max-running``, a server's batch):
+its throughput is fixed, so overlap can hide the shorter of rollout and training, no more.
+``--token-delay auto`` first runs a short synchronous calibration (4 steps at 1 ms a token, which
 also warms the process up) and picks the delay that makes a step's rollout time R about its
 training time T (weight sync included), where overlap helps most.
 
@@ -29,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,13 +41,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import transformers
-from rollout_standin import RolloutStandin
 
 from treetrain import config as C
+from treetrain.rl.rollout import http_json
 from treetrain.trainer.loop import StepRecord, Trainer
+
+HERE = Path(__file__).resolve().parent
 
 STALENESS = re.compile(r"\| staleness max (\d+) mean ([\d.]+)")
 VOCAB = 512  # builtin:tiny-llama's and builtin:parity's
@@ -115,9 +120,45 @@ def counter(trainer: Trainer, name: str) -> float | None:
     return None if value is None else float(value)
 
 
+class StandinProcess:
+    """bench/rollout_standin.py in a process of its own, as a rollout server is on its own
+    machine: its HTTP threads then never hold the trainer's GIL."""
+
+    def __init__(self, token_delay: float, max_running: int) -> None:
+        cmd = [sys.executable, str(HERE / "rollout_standin.py"), "--token-delay", str(token_delay)]
+        cmd += ["--vocab", str(VOCAB), "--max-running", str(max_running)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if found is None:
+            self.close()
+            raise SystemExit(f"the rollout stand-in did not start: {line!r}")
+        self.url = found[0]
+
+    def busy_seconds(self) -> float:
+        status, stats = http_json("GET", self.url + "/standin/stats", None, 30.0)
+        assert status == 200, stats
+        return float(stats["busy_seconds"])
+
+    def __enter__(self) -> StandinProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 def run_mode(token_delay: float, args: argparse.Namespace, tmp: Path, *, staleness: int, steps: int, label: str) -> Run:
     ckpt = Path(tempfile.mkdtemp(prefix=f"s{staleness}-", dir=tmp))
-    with RolloutStandin(token_delay_s=token_delay, vocab=VOCAB, seed=0) as standin:
+    # The server's batch holds one step's requests: a bound >= 1 overlaps its work with
+    # training, it does not make it generate two steps in the time of one.
+    with StandinProcess(token_delay, args.groups * args.group_size) as standin:
         cfg = C.validate(make_config(standin.url, ckpt, args, staleness=staleness, steps=steps))
         lines: list[str] = []
 
@@ -157,12 +198,12 @@ def run_mode(token_delay: float, args: argparse.Namespace, tmp: Path, *, stalene
 
 def calibrate(args: argparse.Namespace, tmp: Path) -> float:
     """The per-token delay that makes a synchronous step's rollout time about its training time."""
-    probe = run_mode(0.001, args, tmp, staleness=0, steps=3, label="calibrate")
+    probe = run_mode(0.001, args, tmp, staleness=0, steps=4, label="calibrate")
     # The first step warms up (allocations, the first export): the later ones are the measure.
-    train = min(probe.step_train_s[1:])
+    train = statistics.median(probe.step_train_s[1:])
     # The generation alone: turns x maxNewTokens decode steps (a group's samples run at once).
     decode = int(args.turns) * int(args.max_new_tokens)
-    overhead = max(0.0, min(probe.step_rollout_s[1:]) - 0.001 * decode)  # HTTP and task code per step
+    overhead = max(0.0, statistics.median(probe.step_rollout_s[1:]) - 0.001 * decode)  # HTTP and task code per step
     delay = max(0.001, (train * float(args.rt_ratio) - overhead) / decode)
     print(
         f"calibration: training {train:.2f} s/step, rollout overhead {overhead:.2f} s/step "

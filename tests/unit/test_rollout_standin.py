@@ -104,16 +104,18 @@ def test_pause_abort_returns_the_partial_reply_and_holds_new_requests(standin: R
 
 
 def test_pause_in_place_holds_in_flight_requests_then_finishes_them(standin: RolloutStandin) -> None:
-    req = _Request(standin.url, _body(100))
+    reqs = [_Request(standin.url, _body(100)) for _ in range(2)]
     assert standin.wait_for(lambda s: s.tokens >= 2, WAIT)
     standin.post("/pause_generation", {"mode": "in_place"})
     held = standin.tokens
-    req.join(0.2)
-    assert req.is_alive() and standin.tokens == held  # not one token while paused
+    reqs[0].join(0.2)
+    assert reqs[0].is_alive() and standin.tokens == held  # not one token while paused
     standin.post("/continue_generation", {})
-    req.join(WAIT)
-    assert req.out is not None and len(req.out[1]["output_ids"]) == 100
-    assert req.out[1]["meta_info"]["finish_reason"]["type"] == "length"
+    for req in reqs:
+        req.join(WAIT)
+        assert req.out is not None and len(req.out[1]["output_ids"]) == 100
+        assert req.out[1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert standin.active == 0 and standin.tokens == 200  # each request left the running batch
 
 
 def test_weight_loads_record_the_version_and_abort_in_flight_requests(standin: RolloutStandin, tmp_path: Path) -> None:
@@ -131,6 +133,17 @@ def test_weight_loads_record_the_version_and_abort_in_flight_requests(standin: R
     with pytest.raises(RolloutError, match="no model at"):
         client.update_weights(str(tmp_path / "missing"), 2)
     assert standin.weight_version == "1" and not standin.paused  # resumed after the failed load
+
+
+def test_requests_beyond_max_running_wait_their_turn() -> None:
+    with RolloutStandin(token_delay_s=0.002, max_running=2) as server:
+        reqs = [_Request(server.url, _body(20_000, seed=i)) for i in range(3)]
+        assert server.wait_for(lambda s: s.requests == 3 and s.active == 2, WAIT)
+        server.post("/pause_generation", {"mode": "abort"})  # the queued one ends too, with no token
+        for r in reqs:
+            r.join(WAIT)
+        outs = sorted(len(r.out[1]["output_ids"]) for r in reqs if r.out is not None)
+        assert len(outs) == 3 and outs[0] == 0 and outs[1] > 0 and server.aborted == 3
 
 
 def test_bad_requests_are_refused(standin: RolloutStandin) -> None:
