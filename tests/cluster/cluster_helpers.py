@@ -41,7 +41,7 @@ def http_get(url: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:  # loopback only
             return response.status, response.read().decode()
-    except (urllib.error.URLError, ConnectionError):
+    except (urllib.error.URLError, ConnectionError, TimeoutError):  # a busy process may not answer in 2 s
         return 0, ""
 
 
