@@ -27,8 +27,9 @@ the test):
 - RLJobTrainerRestartsClimbing: an RLJob whose simulated trainer pod is made to fail three times
   (kwok's fail label), more than the chart's default trainerRestartsPerHour of 2.
 
-Each alert must fire, with the labels of its fault. Every process and directory is cleaned up,
-also when the test fails.
+Every alert can be made to fire here, none needs a real pod or GPU: restarts come from kwok's
+simulated pod failures. Each alert must fire, with the labels of its fault. Every process and
+directory is cleaned up, also when the test fails.
 """
 
 from __future__ import annotations
