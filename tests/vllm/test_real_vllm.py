@@ -277,3 +277,75 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(vllm: VLLMS
     finally:
         trainer.close()
     assert any(f"{vllm.url} does not hold weight version 1" in line for line in lines), lines
+
+
+def generated_tokens(url: str) -> float:
+    """The server's count of tokens generated so far (vLLM's ``/metrics``)."""
+    status, text = request("GET", url + "/metrics")
+    assert status == 200, text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in str(text).splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    )
+
+
+def hf_token_logprobs(model_dir: Path, seq: list[int], start: int, *, embedding_scale: float = 1.0) -> torch.Tensor:
+    """Hugging Face's log p(seq[i] | seq[:i]) for i >= start, its (tied) embedding scaled."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embedding_scale)
+        logp = torch.log_softmax(model(torch.tensor([seq])).logits[0, start - 1 : -1].float(), -1)
+    return logp.gather(1, torch.tensor(seq[start:])[:, None]).squeeze(1)
+
+
+def test_a_weight_update_interrupts_a_generation_that_resumes_on_the_new_weights(vllm: VLLMServer) -> None:
+    """A long generation is running when an update (as WeightSync.sync does it: the gate closed,
+    the server paused with mode abort, new weights broadcast, resumed) interrupts it. The real
+    server answers the cut request with finish_reason "abort" and the tokens it had; the client
+    resubmits them, and the Generation carries versions 0 then 1, a log-prob for every token:
+    those labelled 0 are the old weights' log-probs, those labelled 1 the new ones'."""
+    sent = threading.Event()
+
+    def transport(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        if url.endswith("/v1/completions") and body is not None:
+            body = {**body, "ignore_eos": True}  # the generation runs its whole length
+            sent.set()
+        return http_json(method, url, body, timeout)
+
+    client = VLLMRollout(endpoints=[vllm.url], transport=transport)
+    params = SamplingParams(max_new_tokens=160)
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(client.generate([SEQ], params, seed=0)), daemon=True)
+    before = generated_tokens(vllm.url)
+    t.start()
+    assert sent.wait(60)
+    deadline = time.monotonic() + 120
+    while generated_tokens(vllm.url) < before + 8:  # some tokens sampled by the initial weights
+        assert time.monotonic() < deadline and t.is_alive(), "the generation made no progress"
+        time.sleep(0.05)
+    weights = original_weights(vllm.model)
+    weights["model.embed_tokens.weight"] *= 0.5
+    sender = WeightSender(client.sync_targets(), [C.RolloutServer(url=vllm.url, kind="vllm")], settings())
+    try:
+        with client.gate.update(1):
+            sender.push(weights.items(), 1)
+        t.join(300)
+        assert not t.is_alive() and out, "the generation did not finish"
+        (gen,) = out[0]
+    finally:
+        sender.close()
+        client.leave_group(vllm.url, sender.request)
+        client.update_weights(str(vllm.model), 2)  # the initial weights again, for the tests after this one
+    n = params.max_new_tokens
+    assert len(gen.tokens) == len(gen.logprobs) == len(gen.versions) == n and gen.finish_reason == "length"
+    cut = gen.versions.index(1)
+    assert 0 < cut < n and gen.versions == [0] * cut + [1] * (n - cut), gen.versions
+    assert client.resubmitted == 1
+    seq = SEQ + gen.tokens
+    old = hf_token_logprobs(vllm.model, seq[: len(SEQ) + cut], len(SEQ))
+    new = hf_token_logprobs(vllm.model, seq, len(SEQ) + cut, embedding_scale=0.5)
+    assert (torch.tensor(gen.logprobs[:cut]) - old).abs().max().item() < 1e-3
+    assert (torch.tensor(gen.logprobs[cut:]) - new).abs().max().item() < 1e-3
