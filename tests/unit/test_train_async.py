@@ -134,3 +134,14 @@ def recording(
 
     trainer._take = noted  # type: ignore[method-assign]
     return trainer
+
+
+def test_train_step_alone_starts_the_controller(standin: RolloutStandin, tmp_path: Path) -> None:
+    """Tests and tools that drive train_step themselves (no run()) get asynchronous rollout too."""
+    trainer = Trainer(C.validate(config(standin.url, tmp_path, staleness=1, steps=2)), log=lambda _: None)
+    try:
+        first, second = trainer.train_step(0), trainer.train_step(1)
+    finally:
+        trainer.close()
+    assert trainer.controller is not None
+    assert first.stats["staleness_max"] == 0 and second.stats["staleness_max"] <= 1

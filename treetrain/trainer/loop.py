@@ -301,6 +301,8 @@ class Trainer:
         generations; an error reaches every rank, so none waits in the broadcast."""
         out: list[Any] = [None]
         if self.main:
+            if self.controller is None:  # train_step called without run(): start at this step
+                self._start_rollout(step)
             assert self.controller is not None
             began = time.perf_counter()
             try:
