@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -50,6 +52,7 @@ import urllib.request
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -79,26 +82,24 @@ RATE_INTERVAL = "10s"
 # How long any one condition of the test may take to show in Prometheus.
 DEADLINE_S = 90.0
 
-# A seconds-long trainer run (as tests/unit/test_train.py small()), with steps enough to outlast
-# the test: it is stopped with SIGTERM once the queries are done.
-TRAINER: dict[str, Any] = {
-    "model": {"path": "builtin:tiny-llama", "seed": 1},
-    "actor": {
-        "backend": "fsdp:d1",
-        "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
-    },
-    "trainer": {
-        "steps": 100000,
-        "task": "builtin:parity",
-        "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
-        "groupsPerStep": 2,
-        "groupSize": 2,
-        "optimizer": {"lr": 1e-2},
-        "metrics": {"enabled": True, "port": 0, "addr": "127.0.0.1"},
-        "threads": 1,
-        "compareFlat": False,
-    },
-}
+
+@functools.cache
+def _unit_train() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("unit_test_train", ROOT / "tests" / "unit" / "test_train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trainer_config(*, tree: bool) -> dict[str, Any]:
+    """tests/unit/test_train.py's seconds-long config, with steps enough to outlast the test (it is
+    stopped with SIGTERM once the queries are done) and metrics on a free loopback port."""
+    config: dict[str, Any] = _unit_train().small(
+        steps=100000, metrics={"enabled": True, "port": 0, "addr": "127.0.0.1"}, compareFlat=False
+    )
+    config["actor"]["treeTraining"]["enabled"] = tree
+    return config
 
 
 # ---------------------------------------------------------------------------
@@ -362,14 +363,11 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
     cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
     custom, core = client.CustomObjectsApi(cluster.api), client.CoreV1Api(cluster.api)
 
-    flat_config = copy.deepcopy(TRAINER)
-    flat_config["actor"]["treeTraining"]["enabled"] = False
-
     with contextlib.ExitStack() as stack:
         # Both trainers start first: their start-up overlaps the cluster's work.
-        watched = Trainer(tmp_path, "watched", TRAINER)
+        watched = Trainer(tmp_path, "watched", trainer_config(tree=True))
         stack.callback(watched.stop)
-        flat = Trainer(tmp_path, "flat", flat_config)
+        flat = Trainer(tmp_path, "flat", trainer_config(tree=False))
         stack.callback(flat.stop)
         ns = stack.enter_context(scratch_namespace(cluster.api, "prom"))
         quota_ns = stack.enter_context(scratch_namespace(cluster.api, "promq"))
