@@ -1,6 +1,6 @@
 """Synchronous vs asynchronous RL: real CPU training against a rollout stand-in.
 
-    python bench/async_rl.py [--steps 8] [--staleness 0 1 2] [--token-delay auto] [--json out.json]
+    python bench/async_rl.py [--steps 16] [--staleness 0 1 2] [--token-delay auto] [--json out.json]
 
 The trainer is the real one (``Trainer``: builtin:tiny-llama on builtin:parity, tree packing,
 GRPO, one torch thread) and its rollout server is bench/rollout_standin.py in a process of its
@@ -271,7 +271,7 @@ def print_report(rep: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="modes to run; 0 is always run")
     ap.add_argument("--token-delay", default="auto", help="seconds per generated token, or auto (R about T)")
     ap.add_argument("--rt-ratio", type=float, default=1.0, help="auto: the rollout/training time ratio to aim at")

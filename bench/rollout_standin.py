@@ -70,6 +70,7 @@ class RolloutStandin:
         self._paused = False
         self._abort_epoch = 0  # bumped by every abort: a request that saw another epoch stops
         self._runs: list[_Run] = []  # the requests generating now
+        self._queue: list[object] = []  # the requests waiting for a place in the running batch, in order
         self._tokens_done = 0  # tokens of the requests that have returned
         self._busy_since = 0.0
         self._busy = 0.0
@@ -209,9 +210,16 @@ class RolloutStandin:
             while self._paused and not self._closed:  # SGLang holds requests that come while paused
                 self._cond.wait()
             epoch = self._abort_epoch
-            # Beyond the running batch a request queues; an abort ends queued ones too.
-            while (self._paused or self._full()) and self._abort_epoch == epoch:
-                self._cond.wait()
+            # Beyond the running batch a request queues, first come first served (as SGLang's
+            # scheduler takes them); an abort ends queued ones too.
+            ticket = object()
+            self._queue.append(ticket)
+            try:
+                while (self._paused or self._full() or self._queue[0] is not ticket) and self._abort_epoch == epoch:
+                    self._cond.wait()
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()  # the next in line may start
             run = _Run(planned=len(planned), since=time.monotonic())
             self._start(run)
             try:

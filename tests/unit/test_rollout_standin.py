@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ class _Request(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.out: tuple[int, Any] | None = None
+        self.done_at = 0.0
         self.start()
 
     def run(self) -> None:
         self.out = http_json("POST", self.url + "/generate", self.body, WAIT)
+        self.done_at = time.monotonic()
 
 
 def test_the_client_generates_tokens_with_logprobs(standin: RolloutStandin) -> None:
@@ -144,6 +147,20 @@ def test_requests_beyond_max_running_wait_their_turn() -> None:
             r.join(WAIT)
         outs = sorted(len(r.out[1]["output_ids"]) for r in reqs if r.out is not None)
         assert len(outs) == 3 and outs[0] == 0 and outs[1] > 0 and server.aborted == 3
+
+
+def test_queued_requests_start_in_arrival_order() -> None:
+    with RolloutStandin(token_delay_s=0.002, max_running=1) as server:
+        first = _Request(server.url, _body(100))
+        assert server.wait_for(lambda s: s.active == 1, WAIT)
+        queued = []
+        for i in range(4):
+            queued.append(_Request(server.url, _body(2, seed=i)))
+            assert server.wait_for(lambda s, n=i: s.requests == n + 2, WAIT)  # arrived before the next is sent
+        for req in [first, *queued]:
+            req.join(WAIT)
+        by_end = sorted(queued, key=lambda r: r.done_at)
+        assert by_end == queued  # each queued request was served in the order it came
 
 
 def test_bad_requests_are_refused(standin: RolloutStandin) -> None:
