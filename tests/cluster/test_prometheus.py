@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,6 +183,7 @@ def prometheus_process(binary: Path, workdir: Path, config: dict[str, Any]) -> I
     finally:
         _stop(proc)
         log.close()
+        shutil.rmtree(workdir / "data", ignore_errors=True)  # its log stays, for a failed test
 
 
 def set_targets(path: Path, targets: list[dict[str, Any]]) -> None:
