@@ -231,6 +231,25 @@ def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.
     play.release(*[(s, g) for s in range(3) for g in range(2)])
 
 
+def test_a_resume_with_a_smaller_bound_plays_again_what_it_would_not_admit(made: list[C.RolloutController]) -> None:
+    state = {
+        "version": C.STATE_VERSION,
+        "next_step": 3,
+        "steps": {"3": {"todo": [], "next_id": 2, "done": {"0": _json(group(3, 0, 1)), "1": _json(group(3, 1, 2))}}},
+    }
+    play = Gated(lambda: 3)
+    c = controller(play, steps=4, start_step=3, version=3, state=state, max_staleness=1)
+    made.append(c)
+    play.wait_started(1)
+    assert play.started == [(3, 0)]  # sampled at version 1: 2 steps stale, over the new bound of 1
+    play.release((3, 0))
+    assert [s.version for s in c.take(3, timeout_s=DEADLINE_S).samples] == [3, 3, 2, 2]
+
+
+def _json(r: Rollouts) -> dict[str, Any]:
+    return json.loads(json.dumps(C._rollouts_json(r)))
+
+
 # -- the property test ---------------------------------------------------------------------
 
 

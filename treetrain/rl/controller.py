@@ -312,9 +312,16 @@ class RolloutController:
                 f"{self.next_take}; starting that step's groups afresh"
             )
             return
-        for s, raw in state["steps"].items():
+        for key, raw in state["steps"].items():
+            s, todo = int(key), [int(g) for g in raw["todo"]]
             done = {int(g): _rollouts_of(r) for g, r in raw["done"].items()}
-            self._steps[int(s)] = _Step(todo=[int(g) for g in raw["todo"]], next_id=int(raw["next_id"]), done=done)
+            # A run resumed with a smaller maxStaleness plays again what its bound would not admit.
+            late = sorted(
+                g for g, r in done.items() if min((x.version for x in r.samples), default=s) < s - self.max_staleness
+            )
+            for g in late:
+                del done[g]
+            self._steps[s] = _Step(todo=sorted(todo + late), next_id=int(raw["next_id"]), done=done)
 
 
 def _rollouts_json(r: Rollouts) -> dict[str, Any]:
