@@ -14,6 +14,7 @@ def test_async_bench_small_run(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, str(ROOT / "bench" / "async_rl.py"), "--steps", "2", "--staleness", "1"]
     cmd += ["--token-delay", "0.002", "--groups", "2", "--group-size", "2", "--turns", "1", "--max-new-tokens", "4"]
+    cmd += ["--repeat", "1"]
     run = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "ideal speed-up (R+T)/max(R,T) = " in run.stdout, run.stdout
