@@ -8,7 +8,8 @@ on the server) or receive them by broadcast (treetrain.rl.weight_sync). One job 
 and vLLM servers: :func:`remote_client` gives each endpoint a client of its own server's dialect.
 
 Modules: ``base`` (the interface), ``gate`` (the weight gate), ``local``, ``http`` (transport,
-retries, health), ``sglang`` and ``vllm`` (the dialects), ``remote`` (probing and mixing).
+retries, health), ``resubmit`` (requests that survive weight updates and failing servers),
+``sglang`` and ``vllm`` (the dialects), ``remote`` (probing and mixing).
 """
 
 from treetrain.rl.rollout.base import (
@@ -35,6 +36,7 @@ from treetrain.rl.rollout.http import (
 )
 from treetrain.rl.rollout.local import LocalRollout
 from treetrain.rl.rollout.remote import MixedRollout, detect_kind, probe_kind, remote_client
+from treetrain.rl.rollout.resubmit import ServerUnavailable
 from treetrain.rl.rollout.sglang import SGLangRollout
 from treetrain.rl.rollout.vllm import VLLMRollout
 
@@ -54,6 +56,7 @@ __all__ = [
     "RolloutError",
     "SGLangRollout",
     "SamplingParams",
+    "ServerUnavailable",
     "Transport",
     "Unknown",
     "VLLMRollout",
