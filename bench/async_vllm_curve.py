@@ -1,7 +1,7 @@
 """Learning curves, synchronous vs ``maxStaleness: 1``, with the real vLLM server of tests/vllm.
 
-    python bench/async_vllm_curve.py [--steps 12] [--out docs/img/async_vs_sync_reward.svg]
-    python bench/async_vllm_curve.py --from-json build/async_vllm_curve.json   # draw again only
+    python bench/async_vllm_curve.py [--steps 10] [--out docs/img/async_vs_sync_reward.svg]
+    python bench/async_vllm_curve.py --from-json docs/img/async_vs_sync_reward.json   # draw again only
     python bench/async_vllm_curve.py --modes 0 --json a.json; ... --modes 1 --json b.json
     python bench/async_vllm_curve.py --from-json a.json b.json                # one run at a time
 
@@ -189,14 +189,14 @@ def draw(data: dict[str, Any], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--modes", type=int, nargs="+", default=[0, 1], help="maxStaleness of each run, in order")
     ap.add_argument("--turns", type=int, default=1)
     ap.add_argument("--groups", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "async_vs_sync_reward.svg")
-    ap.add_argument("--json", type=Path, default=ROOT / "build" / "async_vllm_curve.json")
+    ap.add_argument("--json", type=Path, default=ROOT / "docs" / "img" / "async_vs_sync_reward.json")
     ap.add_argument("--from-json", type=Path, nargs="+", help="draw these files' runs (one chart); train nothing")
     args = ap.parse_args()
     if args.from_json:
