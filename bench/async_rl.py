@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the trainer")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of every mode; each mode's fastest is reported")
     ap.add_argument("--json", type=Path, help="also write the report here")
