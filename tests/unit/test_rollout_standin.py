@@ -140,8 +140,12 @@ def test_weight_loads_record_the_version_and_abort_in_flight_requests(standin: R
 
 def test_requests_beyond_max_running_wait_their_turn() -> None:
     with RolloutStandin(token_delay_s=0.002, max_running=2) as server:
-        reqs = [_Request(server.url, _body(20_000, seed=i)) for i in range(3)]
-        assert server.wait_for(lambda s: s.requests == 3 and s.active == 2, WAIT)
+        reqs = []
+        for i in range(3):  # one after the other: the third is the one that queues
+            reqs.append(_Request(server.url, _body(20_000, seed=i)))
+            assert server.wait_for(lambda s, n=i: s.requests == n + 1 and s.active == min(n + 1, 2), WAIT)
+        made = server.tokens
+        assert server.wait_for(lambda s: s.tokens >= made + 4, WAIT)  # both running ones have tokens
         server.post("/pause_generation", {"mode": "abort"})  # the queued one ends too, with no token
         for r in reqs:
             r.join(WAIT)
