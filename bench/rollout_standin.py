@@ -25,7 +25,6 @@ Routes: ``/health``, ``/health_generate``, ``/model_info`` and ``/get_model_info
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import threading
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from json_http import JSONHandler
 
 
 class RolloutStandin:
@@ -306,25 +307,13 @@ class _Server(ThreadingHTTPServer):
 
 
 def _handler(standin: RolloutStandin) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _reply(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             self._reply(*standin.get(self.path))
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
             try:
-                body = json.loads(self.rfile.read(length)) if length else None
+                body = self._body()
             except ValueError:
                 self._reply(400, {"error": {"message": "the body is not JSON"}})
                 return

@@ -9,14 +9,18 @@ assert the weight-sync sequence. Nothing here dials anything but loopback.
 
 from __future__ import annotations
 
-import json
+import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from json_http import JSONHandler
 
 from treetrain.rl.rollout import (
     MixedRollout,
@@ -51,26 +55,14 @@ class FakeServer:
         self.paused = threading.Event()
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _reply(self, status: int, body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JSONHandler):
             def do_GET(self) -> None:
                 fake.calls.append(("GET", self.path, None))
                 status, body = fake.get(self.path)
                 self._reply(status, body)
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
+                body = self._body()
                 fake.calls.append(("POST", self.path, body))
                 status, out = fake.post(self.path, body)
                 self._reply(status, out)

@@ -25,11 +25,15 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from json_http import JSONHandler
 
 from treetrain.rl import weight_group as wg
 from treetrain.rl.vllm_worker import WeightSyncExtension
@@ -118,25 +122,13 @@ def main(kind: str, out: Path, join: bool, port: int) -> None:
             return 200, {"results": [result if result is None or isinstance(result, dict | list) else str(result)]}
         return 404, {"detail": "Not Found"}
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _reply(self, status: int, body: Any) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def do_GET(self) -> None:
             ok = self.path == "/health" or (kind == "sglang" and self.path == "/model_info")
             self._reply(200 if ok else 404, {"weight_version": state["version"] or "default"})
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length)) if length else None
+            body = self._body()
             with lock, (out / "calls.jsonl").open("a") as f:
                 f.write(json.dumps({"path": self.path, "body": body}) + "\n")
             try:

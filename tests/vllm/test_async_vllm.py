@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from real_vllm import VLLMServer, free_port
+from real_vllm import VLLMServer
+from test_real_vllm import config
 
 from treetrain import config as C
 from treetrain.trainer.loop import Trainer
@@ -21,31 +22,10 @@ STALENESS = re.compile(r"\| staleness max (\d+) mean ([\d.]+)")
 
 
 def async_config(server: VLLMServer, tmp: Path, *, steps: int = 3) -> dict[str, Any]:
-    return {
-        "model": {"path": "builtin:smollm2-135m", "seed": 1},
-        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048}},
-        "trainer": {
-            "steps": steps,
-            "task": "builtin:arithmetic",
-            "taskArgs": {"turns": 1, "maxNewTokens": 8},
-            "groupsPerStep": 2,
-            "groupSize": 2,
-            "optimizer": {"lr": 1e-4},
-            "loss": {"entropyCoef": 0.01},  # a gradient even when every group's rewards tie
-            "metrics": {"enabled": False},
-            "rollout": {"kind": "vllm", "maxStaleness": 1, "temperature": 1.0, "retries": 1, "timeoutSeconds": 120},
-        },
-        "rollout": {
-            "servers": [{"url": server.url, "kind": "vllm"}],
-            "weightSync": {
-                "method": "distributed",
-                "masterPort": free_port(),
-                "backend": "gloo",
-                "timeoutSeconds": 120,
-            },
-        },
-        "checkpoint": {"dir": str(tmp / "ckpt"), "intervalSteps": 100},
-    }
+    """test_real_vllm's short run, asynchronous (bound 1), with checkpoints for its weight versions."""
+    raw: dict[str, Any] = config(server, tmp, steps=steps, max_staleness=1)
+    raw["checkpoint"] = {"dir": str(tmp / "ckpt"), "intervalSteps": 100}
+    return raw
 
 
 def test_max_staleness_1_overlaps_rollout_and_training(vllm: VLLMServer, tmp_path: Path) -> None:
