@@ -160,8 +160,11 @@ def test_a_step_whose_groups_all_fail_says_so_instead_of_hanging(made: list[C.Ro
 
     c = controller(play, steps=1)
     made.append(c)
-    with pytest.raises(RolloutError, match=r"step 1 has no group to train: all 10 tried were dropped \(10 failed"):
+    with pytest.raises(
+        RolloutError, match=r"step 1 has no group to train: all 10 tried were dropped \(10 failed"
+    ) as err:
         c.take(0, timeout_s=DEADLINE_S)
+    assert "the last failure: connection refused" in str(err.value)  # the cause, not only the count
 
 
 def test_a_hung_task_call_fails_take_naming_the_task(

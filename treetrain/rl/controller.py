@@ -109,6 +109,7 @@ class RolloutController:
         self._stopping = False
         self._halted = False  # SIGTERM: only the step the trainer waits for may start groups
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # groups dropped so far, by reason
+        self.last_failure = ""  # the newest group's generation error: the step's final error names it
         self.started = 0  # groups started (replacements and restarts included)
         self._idle_s = 0.0
         self._idle_since: float | None = time.monotonic()
@@ -161,10 +162,11 @@ class RolloutController:
             )
             return merge_rollouts([st.fallback[g] for g in sorted(st.fallback)])
         if not st.done:
+            last = f"; the last failure: {self.last_failure}" if self.last_failure else ""
             raise RolloutError(
                 f"rollout: step {step + 1} has no group to train: all {st.next_id} tried were dropped "
                 f"({self.dropped['failed']} failed on every server, {self.dropped['filtered']} had equal rewards "
-                "so far in this run); fix: check the rollout servers, or turn trainer.dynamicSampling off"
+                f"so far in this run{last}); fix: check the rollout servers, or turn trainer.dynamicSampling off"
             )
         if len(st.done) < self.groups_per_step:
             self.log(
@@ -236,6 +238,8 @@ class RolloutController:
                 reason = None if self.keep is None or self.keep(result) else "filtered"
             except RolloutError as err:
                 reason = "failed"
+                with self._cond:
+                    self.last_failure = str(err)
                 self.log(f"rollout: group {g} of step {step + 1} dropped: {err}")
             except BaseException as err:  # the task's code or a bug: the trainer stops with it
                 with self._cond:
