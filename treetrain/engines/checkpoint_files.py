@@ -12,7 +12,7 @@ and what is *foreign* (a file of another shape: a one-line error naming it and t
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +139,50 @@ def cannot_resume(role: str, path: Path, err: BaseException) -> EngineConfigErro
         f"cannot resume the {role} from checkpoint {path}: {first_line(err)}; fix: give this run a "
         "new checkpoint.dir if that checkpoint belongs to another model or layout"
     )
+
+
+def load_sharded(
+    path: Path,
+    role: str,
+    rank: int,
+    world_size: int,
+    *,
+    same_run: Callable[[Mapping[str, Any]], None],
+    model: Any,
+    optimizer: Any,
+    empty: Callable[[], dict[str, Any]],
+    optim_options: Any = None,
+) -> dict[str, Any]:
+    """Load checkpoint ``path`` into a torch.distributed.checkpoint engine (FSDP, Archon): this
+    rank's own file first (``same_run`` raises when it belongs to another model or engine), every
+    rank told of any rank's problem before the collective read, then the model (and optimizer)
+    state (``optim_options``: set_state_dict's options). Returns the rank file's metadata, RNG restored."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    problem: Exception | None = None
+    try:
+        own = own_file(path, f"{role}-rank{rank}.pt", "a different number of ranks")
+        meta = read(own)
+        same_run(meta)
+        check_meta(meta, own)
+    except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
+        problem = err
+    agree(problem, world_size)
+    try:
+        state = read_state(path, role, world_size, empty() if world_size > 1 else {}, optimizer=optimizer is not None)
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=optim_options,
+            )
+    except (CheckpointUnreadableError, EngineConfigError):
+        raise
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise cannot_resume(role, path, err) from None
+    restore_rng(meta)
+    return meta

@@ -37,7 +37,7 @@ from treetrain.engines.base import (
     adamw,
     check_role,
 )
-from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
+from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_parallel
 from treetrain.engines.parallel import ParallelLayout
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
@@ -196,39 +196,25 @@ class FSDPEngine(Engine):
         torch.save(meta, path / f"{self.role}-rank{self.layout.rank}.pt")
 
     def load(self, path: Path) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        problem: Exception | None = None
-        try:  # this rank's own file first; every rank learns of a problem before the collective read
-            own = files.own_file(path, f"{self.role}-rank{self.layout.rank}.pt", "a different number of ranks")
-            meta = files.read(own)
+        def same_run(meta: Mapping[str, Any]) -> None:
             saved_model = meta.get("model", self.settings.path)  # older checkpoints lack it
             if saved_model != self.settings.path:
                 raise EngineConfigError(
                     f"checkpoint {path} was written for model {saved_model!r}, but this run trains "
                     f"{self.settings.path!r}; fix: give this run a new checkpoint.dir (or set model.path back)"
                 )
-            files.check_meta(meta, own)
-        except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
-            problem = err
-        files.agree(problem, self.layout.world_size)
-        try:
-            empty = self._state() if self.layout.world_size > 1 else {}
-            state = files.read_state(
-                path, self.role, self.layout.world_size, empty, optimizer=self.optimizer is not None
-            )
-            if self.optimizer is None:
-                set_model_state_dict(self.model, state["model"])
-            else:
-                set_state_dict(
-                    self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-                )
-        except (CheckpointUnreadableError, EngineConfigError):
-            raise
-        except (RuntimeError, KeyError, ValueError) as err:
-            raise files.cannot_resume(self.role, path, err) from None
+
+        meta = files.load_sharded(
+            path,
+            self.role,
+            self.layout.rank,
+            self.layout.world_size,
+            same_run=same_run,
+            model=self.model,
+            optimizer=self.optimizer,
+            empty=self._state,
+        )
         self.steps = int(meta["steps"])
-        files.restore_rng(meta)
         extra: dict[str, Any] = meta["extra"]
         return extra
 
