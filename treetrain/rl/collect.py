@@ -8,7 +8,6 @@ trainer's rank-0 rollout broadcast to every rank, or a client directly).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -61,6 +60,16 @@ def seed_of(*parts: int) -> int:
     return x
 
 
+# Mixed into a turn's sampling seed, so it never equals an episode's seed_of(seed, step, group).
+TURN_SALT = 1_000_003
+
+
+def turn_seed_of(seed: int, step: int, *parts: int) -> int:
+    """The sampling seed of one turn's generate call: the step's turn, then what tells calls of
+    that turn apart (a dynamic-sampling round; the asynchronous controller's group)."""
+    return seed_of(seed, step, TURN_SALT, *parts)
+
+
 def collect_rollouts(
     task: Task,
     generate: Generate,
@@ -84,7 +93,7 @@ def collect_rollouts(
     t = settings
     groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
     first = play_episodes(
-        task, generate, t, step, groups, turn_seed=lambda turn: seed_of(t.seed, step, 1_000_003, turn), clock=clock
+        task, generate, t, step, groups, turn_seed=lambda turn: turn_seed_of(t.seed, step, turn), clock=clock
     )
     if not objective(t).dynamic_sampling:
         return first
@@ -122,7 +131,8 @@ def _fill_informative(
             t,
             step,
             [g for g in ids for _ in range(t.group_size)],
-            turn_seed=functools.partial(_extra_seed, t.seed, step, rnd),
+            # Round 0 is the step's first groups, seeded as without dynamic sampling.
+            turn_seed=lambda turn, rnd=rnd: turn_seed_of(t.seed, step, turn, rnd),
             clock=clock,
         )
         good = informative_groups(part.rewards, part.groups)
@@ -141,12 +151,6 @@ def _fill_informative(
             + ("those" if have else "the first groups, which carry no signal")
         )
     return out
-
-
-def _extra_seed(seed: int, step: int, rnd: int, turn: int) -> int:
-    """The sampling seed of a turn of dynamic sampling's extra round ``rnd`` (round 0 is the
-    step's first groups, seeded as without dynamic sampling)."""
-    return seed_of(seed, step, 1_000_003, turn, rnd)
 
 
 def _stderr(line: str) -> None:

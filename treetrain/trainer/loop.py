@@ -37,7 +37,7 @@ from treetrain.engines.base import Engine, EngineConfigError, TrainBatch
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.metrics import StepFigures, TrainerMetrics
 from treetrain.rl.advantages import informative_groups
-from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch, play_episodes, seed_of
+from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch, play_episodes, turn_seed_of
 from treetrain.rl.controller import RolloutController
 from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
@@ -332,7 +332,7 @@ class Trainer:
             t,
             step,
             [g] * t.group_size,
-            turn_seed=lambda turn: seed_of(t.seed, step, 1_000_003, g, turn),
+            turn_seed=lambda turn: turn_seed_of(t.seed, step, g, turn),
             clock=clock,
             version=lambda: client.gate.version,
         )
