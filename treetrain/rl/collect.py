@@ -100,8 +100,9 @@ def collect_rollouts(
     return _fill_informative(first, task, generate, t, step, clock=clock, log=log)
 
 
-# Dynamic sampling plays at most this many extra groups per step, times groupsPerStep: a task
-# whose groups are nearly all solved (or all failed) must not sample for ever.
+# Extra groups per step, times groupsPerStep, that dynamic sampling plays (and the asynchronous
+# controller, replacing dropped groups): a task whose groups are nearly all solved (or all failed)
+# must not sample for ever.
 EXTRA_GROUPS_FACTOR = 4
 
 

@@ -31,13 +31,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from treetrain.rl.collect import Rollouts, Sample, merge_rollouts
+from treetrain.rl.collect import EXTRA_GROUPS_FACTOR, Rollouts, Sample, merge_rollouts
 from treetrain.rl.limits import EpisodeTimeoutError, TaskClock, budget_left
 from treetrain.rl.rollout import RolloutError
 
 WATCH_MARGIN_S = 10.0  # a task call this long past its episode budget fails the step
 TICK_S = 0.25  # how often a waiting take() looks at the watched task calls
-EXTRA_GROUPS_PER_GROUP = 4  # replacements per step: at most this many x groupsPerStep
 STATE_VERSION = 1
 
 PlayGroup = Callable[[int, int, TaskClock], Rollouts]  # (step, g, the worker's clock) -> the group's rollouts
@@ -99,7 +98,7 @@ class RolloutController:
         self.task, self.episode_timeout_s = task, episode_timeout_s
         self.groups_per_step, self.max_staleness, self.steps = groups_per_step, max_staleness, steps
         self.capacity = (max_staleness + 1) * groups_per_step
-        self.max_ids = groups_per_step * (1 + EXTRA_GROUPS_PER_GROUP)
+        self.max_ids = groups_per_step * (1 + EXTRA_GROUPS_FACTOR)  # replacements as the synchronous loop plays
         self.next_take = start_step
         self._version = version
         self._cond = threading.Condition()
@@ -110,7 +109,6 @@ class RolloutController:
         self._halted = False  # SIGTERM: only the step the trainer waits for may start groups
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # groups dropped so far, by reason
         self.last_failure = ""  # the newest group's generation error: the step's final error names it
-        self.started = 0  # groups started (replacements and restarts included)
         self._idle_s = 0.0
         self._idle_since: float | None = time.monotonic()
         if state is not None:
@@ -126,11 +124,6 @@ class RolloutController:
         with self._cond:
             self._version = version
             self._cond.notify_all()
-
-    @property
-    def version(self) -> int:
-        with self._cond:
-            return self._version
 
     def take(self, step: int, timeout_s: float | None = None) -> Rollouts:
         """Block until ``step``'s groups are finished; they come back as one Rollouts, in group
@@ -272,7 +265,6 @@ class RolloutController:
             else:
                 g, st.next_id = st.next_id, st.next_id + 1  # a replacement
             st.running.add(g)
-            self.started += 1
             if self._idle_since is not None:
                 self._idle_s += time.monotonic() - self._idle_since
                 self._idle_since = None
