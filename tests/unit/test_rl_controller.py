@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +61,17 @@ class Gated:
     def wait_started(self, n: int) -> None:
         with self.cond:
             assert self.cond.wait_for(lambda: len(self.started) >= n, DEADLINE_S), self.started
+
+    def until(self, done: Callable[[], bool]) -> bool:
+        """Wait for ``done``, which the controller makes true after a play returns, so nothing
+        notifies this condition then: look again every few milliseconds, up to the deadline."""
+        end = time.monotonic() + DEADLINE_S
+        with self.cond:
+            while not done():
+                if time.monotonic() >= end:
+                    return False
+                self.cond.wait(0.005)
+        return True
 
     def starts_nothing_more(self, n: int) -> bool:
         """No group beyond the first ``n`` starts within a few milliseconds."""
@@ -218,8 +230,7 @@ def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.
     made.append(c)
     play.release((0, 0), (0, 1), (1, 1))
     c.take(0, timeout_s=DEADLINE_S)
-    with play.cond:  # (1, 1) is finished; (1, 0) still plays
-        assert play.cond.wait_for(lambda: c.buffered() == 1, DEADLINE_S)
+    assert play.until(lambda: c.buffered() == 1)  # (1, 1) is finished; (1, 0) still plays
     c.stop(timeout_s=0)
     state = json.loads(json.dumps(c.state()))
     assert state["next_step"] == 1 and state["steps"]["1"]["todo"] == [0] and list(state["steps"]["1"]["done"]) == ["1"]
