@@ -96,6 +96,21 @@ def test_decoupled_behaviour_weights_and_cap() -> None:
     assert float(stats["behav_mismatch_max"]) == pytest.approx(math.log(3.0))
 
 
+def test_a_nan_behaviour_weight_is_dropped_not_spread() -> None:
+    # A sampler log-prob of NaN (a broken server reply): that token goes, the rest trains as before.
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0))
+    inputs = {
+        "advantages": torch.ones(2),
+        "old_logprobs": torch.tensor([-1.0, -1.0]),
+        "behav_logprobs": torch.tensor([-1.0 - math.log(1.5), float("nan")]),
+    }
+    out = _out([-1.0, -1.0])
+    value, stats = loss(out, torch.ones(2), inputs)
+    assert float(value.detach()) == pytest.approx(-1.5) and float(stats["behav_dropped"]) == 1.0
+    value.backward()
+    assert out.logprobs.grad is not None and out.logprobs.grad.tolist() == pytest.approx([-1.5, 0.0])
+
+
 def test_max_stats_reduce_as_maxima_and_sums_as_means() -> None:
     from treetrain.engines.base import StatTotals
 

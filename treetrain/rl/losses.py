@@ -136,9 +136,9 @@ class PPOLoss:
             weight_M = torch.exp(prox_M - behav_M)
         if cap is not None:
             if mode.endswith("mask"):
-                keep_M = (weight_M <= cap).to(prox_M.dtype)  # a NaN weight is dropped too
-                stats["behav_dropped"] = ((1 - keep_M) * mask_M).sum()
-                weight_M = weight_M * keep_M
+                keep_M = weight_M <= cap  # False for a NaN weight: dropped too
+                stats["behav_dropped"] = ((~keep_M).to(prox_M.dtype) * mask_M).sum()
+                weight_M = torch.where(keep_M, weight_M, torch.zeros_like(weight_M))  # NaN x 0 would stay NaN
             else:
                 stats["behav_truncated"] = ((weight_M > cap).to(prox_M.dtype) * mask_M).sum()
                 weight_M = torch.clamp(weight_M, max=cap)
