@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from treetrain.metrics import DROP_REASONS
 from treetrain.rl.collect import EXTRA_GROUPS_FACTOR, Rollouts, Sample, merge_rollouts
 from treetrain.rl.limits import EpisodeTimeoutError, TaskClock, budget_left
 from treetrain.rl.rollout import RolloutError
@@ -40,7 +41,6 @@ TICK_S = 0.25  # how often a waiting take() looks at the watched task calls
 STATE_VERSION = 1
 
 PlayGroup = Callable[[int, int, TaskClock], Rollouts]  # (step, g, the worker's clock) -> the group's rollouts
-DROP_REASONS = ("filtered", "failed")
 
 
 class WatchedClock(TaskClock):
