@@ -1,0 +1,1 @@
+"""The OpenAI-compatible endpoint with RL sessions (``treetrain proxy``; docs/agents.md)."""
