@@ -314,6 +314,60 @@ def training() -> dashboard.Dashboard:
                 ],
             ).min(0)
         )
+        .with_row(dashboard.Row("Agents and data"))
+        .with_panel(
+            series(
+                "Eval reward",
+                "Mean reward of the last evaluation on trainer.eval's dataset (greedy, one run per row).",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_eval_reward{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+            )
+        )
+        .with_panel(
+            series(
+                "Proxy requests by code",
+                "Requests the agent proxy answered per second, by HTTP status (429: sessions at the bound; 413: a "
+                "session's token budget; 4xx: the agent sent something wrong), and the sessions open now.",
+                "reqps",
+                [
+                    query(
+                        f"sum by ({BY}, code) (rate(treetrain_proxy_requests_total{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} {{code}}",
+                    ),
+                    query(f"sum by ({BY}) (treetrain_proxy_sessions_open{{{SEL}}})", "{{rljob}} sessions open"),
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Fresh renders",
+                "Agent chat requests rendered afresh per interval instead of extending an earlier completion's "
+                "tokens: edited (the agent changed an earlier reply) or template (the chat template does not render "
+                "incrementally). Each one breaks prefix sharing.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}, reason) "
+                        f"(increase(treetrain_proxy_fresh_renders_total{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} {{reason}}",
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Reward failures",
+                "Reward calls that failed and scored 0 per interval: error (the function raised) or timeout "
+                "(trainer.rewardTimeoutSeconds).",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}, reason) (increase(treetrain_reward_failures_total{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} {{reason}}",
+                    )
+                ],
+            ).min(0)
+        )
         .with_row(dashboard.Row("GPUs"))
         .with_panel(
             series(

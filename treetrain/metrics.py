@@ -32,6 +32,12 @@ TRAINER_IDLE_SECONDS_TOTAL = "treetrain_trainer_idle_seconds_total"
 ROLLOUT_GROUPS_DROPPED_TOTAL = "treetrain_rollout_groups_dropped_total"
 ROLLOUT_RESUBMITTED_TOTAL = "treetrain_rollout_resubmitted_total"
 WEIGHT_VERSION = "treetrain_weight_version"
+# Agents and datasets: rank 0's OpenAI-compatible proxy, the reward function, evaluation.
+PROXY_REQUESTS_TOTAL = "treetrain_proxy_requests_total"
+PROXY_SESSIONS_OPEN = "treetrain_proxy_sessions_open"
+PROXY_FRESH_RENDERS_TOTAL = "treetrain_proxy_fresh_renders_total"
+REWARD_FAILURES_TOTAL = "treetrain_reward_failures_total"
+EVAL_REWARD = "treetrain_eval_reward"
 
 # Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
 TOKEN_KINDS = ("original", "tree", "padded")
@@ -40,6 +46,11 @@ CAP_REASONS = ("turns", "tokens")
 # Label values of ROLLOUT_GROUPS_DROPPED_TOTAL{reason=...}: dynamic sampling (all rewards equal),
 # or a generation that failed on every server.
 DROP_REASONS = ("filtered", "failed")
+# Label values of PROXY_FRESH_RENDERS_TOTAL{reason=...}: why a chat request was rendered afresh
+# instead of extending an earlier completion's tokens (treetrain.proxy.chat.FRESH_REASONS).
+FRESH_REASONS = ("edited", "template")
+# Label values of REWARD_FAILURES_TOTAL{reason=...}: the reward function raised, or ran too long.
+REWARD_FAILURE_REASONS = ("error", "timeout")
 # Staleness of a trained sample, in steps: 0 in synchronous runs, at most maxStaleness otherwise.
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0)
 # Step times range from well under a second (tiny CPU runs) to minutes (large models).
@@ -65,6 +76,11 @@ NAMES = (
     ROLLOUT_GROUPS_DROPPED_TOTAL,
     ROLLOUT_RESUBMITTED_TOTAL,
     WEIGHT_VERSION,
+    PROXY_REQUESTS_TOTAL,
+    PROXY_SESSIONS_OPEN,
+    PROXY_FRESH_RENDERS_TOTAL,
+    REWARD_FAILURES_TOTAL,
+    EVAL_REWARD,
 )
 
 
@@ -184,12 +200,40 @@ class TrainerMetrics:
             registry=r,
         )
         self.weight_version = Gauge(WEIGHT_VERSION, "The weight version the trainer last synced.", registry=r)
+        self.proxy_requests = Counter(
+            PROXY_REQUESTS_TOTAL.removesuffix("_total"),
+            "Requests the agent proxy answered, by HTTP status code.",
+            ["code"],
+            registry=r,
+        )
+        self.proxy_sessions_open = Gauge(PROXY_SESSIONS_OPEN, "Agent proxy sessions open now.", registry=r)
+        self.proxy_fresh_renders = Counter(
+            PROXY_FRESH_RENDERS_TOTAL.removesuffix("_total"),
+            "Chat requests the proxy rendered afresh instead of extending an earlier completion's tokens: reason "
+            "edited (the conversation changed an earlier reply) or template (the chat template does not render "
+            "incrementally). Fresh renders break prefix sharing.",
+            ["reason"],
+            registry=r,
+        )
+        self.reward_failures = Counter(
+            REWARD_FAILURES_TOTAL.removesuffix("_total"),
+            "Reward calls that failed and scored 0: reason error (the function raised) or timeout "
+            "(trainer.rewardTimeoutSeconds).",
+            ["reason"],
+            registry=r,
+        )
+        self.eval_reward = Gauge(EVAL_REWARD, "Mean reward of the last evaluation (trainer.eval).", registry=r)
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)  # show every series from the first scrape on
         for reason in CAP_REASONS:
             self.episodes_capped.labels(reason=reason)
         for reason in DROP_REASONS:
             self.groups_dropped.labels(reason=reason)
+        for reason in FRESH_REASONS:
+            self.proxy_fresh_renders.labels(reason=reason)
+        for reason in REWARD_FAILURE_REASONS:
+            self.reward_failures.labels(reason=reason)
+        self._seen: dict[tuple[str, str], float] = {}  # cumulative counts last exported (observe_agents)
         self._server: Any = None
 
     def observe_step(self, fig: StepFigures) -> None:
@@ -217,6 +261,25 @@ class TrainerMetrics:
         self.groups_dropped.labels(reason="failed").inc(fig.dropped_failed)
         self.resubmitted.inc(fig.resubmitted)
         self.weight_version.set(fig.weight_version)
+
+    def observe_agents(self, proxy: dict[str, Any] | None, reward_failures: dict[str, int] | None) -> None:
+        """Export the proxy's counters (``ProxyStats.snapshot()``) and the reward runner's failures:
+        both are cumulative, so the counters grow by what is new since the last call."""
+        if proxy is not None:
+            for code, n in proxy.get("requests", {}).items():
+                self.proxy_requests.labels(code=str(code)).inc(self._new(("requests", str(code)), n))
+            self.proxy_sessions_open.set(proxy.get("sessions_open", 0))
+            for reason, n in proxy.get("fresh_renders", {}).items():
+                self.proxy_fresh_renders.labels(reason=reason).inc(self._new(("fresh", reason), n))
+        for reason, n in (reward_failures or {}).items():
+            self.reward_failures.labels(reason=reason).inc(self._new(("reward", reason), n))
+
+    def _new(self, key: tuple[str, str], total: float) -> float:
+        before, self._seen[key] = self._seen.get(key, 0.0), float(total)
+        return max(0.0, float(total) - before)
+
+    def observe_eval(self, reward: float) -> None:
+        self.eval_reward.set(reward)
 
     def serve(self, port: int = DEFAULT_PORT, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` in a daemon thread; returns the bound port (``port=0``: any free one)."""

@@ -29,6 +29,12 @@ CONTRACT_NAMES = {
     "treetrain_rollout_groups_dropped": "counter",  # treetrain_rollout_groups_dropped_total{reason=...}
     "treetrain_rollout_resubmitted": "counter",  # treetrain_rollout_resubmitted_total
     "treetrain_weight_version": "gauge",
+    # Agents and datasets (the proxy, the reward function, evaluation), exported by every run.
+    "treetrain_proxy_requests": "counter",  # treetrain_proxy_requests_total{code=...}
+    "treetrain_proxy_sessions_open": "gauge",
+    "treetrain_proxy_fresh_renders": "counter",  # treetrain_proxy_fresh_renders_total{reason=...}
+    "treetrain_reward_failures": "counter",  # treetrain_reward_failures_total{reason=...}
+    "treetrain_eval_reward": "gauge",
 }
 
 
@@ -125,3 +131,30 @@ def test_the_rollout_metrics_are_exported_from_the_first_scrape_and_count_what_s
         ("treetrain_weight_version", ()): 7,
     }
     assert {key: after[key] for key in want} == want
+
+
+def test_the_agent_metrics_count_increments_of_cumulative_figures() -> None:
+    metrics = M.TrainerMetrics()
+
+    def value(name: str, **labels: str) -> float:
+        got = metrics.registry.get_sample_value(name, labels)
+        assert got is not None, (name, labels)
+        return got
+
+    for reason in M.FRESH_REASONS:  # every label from the start, at 0
+        assert value("treetrain_proxy_fresh_renders_total", reason=reason) == 0
+    for reason in M.REWARD_FAILURE_REASONS:
+        assert value("treetrain_reward_failures_total", reason=reason) == 0
+    snap = {"requests": {"200": 5, "429": 1}, "sessions_open": 3, "fresh_renders": {"edited": 2, "template": 0}}
+    metrics.observe_agents(snap, {"error": 1, "timeout": 0})
+    snap = {"requests": {"200": 9, "429": 1}, "sessions_open": 0, "fresh_renders": {"edited": 2, "template": 1}}
+    metrics.observe_agents(snap, {"error": 1, "timeout": 2})
+    metrics.observe_eval(0.625)
+    assert value("treetrain_proxy_requests_total", code="200") == 9
+    assert value("treetrain_proxy_requests_total", code="429") == 1
+    assert value("treetrain_proxy_sessions_open") == 0
+    assert value("treetrain_proxy_fresh_renders_total", reason="edited") == 2
+    assert value("treetrain_proxy_fresh_renders_total", reason="template") == 1
+    assert value("treetrain_reward_failures_total", reason="error") == 1
+    assert value("treetrain_reward_failures_total", reason="timeout") == 2
+    assert value("treetrain_eval_reward") == 0.625
