@@ -266,6 +266,64 @@ class MetricsSettings(Section):
     )
 
 
+# -- datasets, rewards, evaluation, the agent proxy -----------------------------------------
+
+# Written ``package.module:function``: checked for form here, imported by the trainer (which has the user's image).
+IMPORT_STRING_FORM = "package.module:function"
+BUILTIN_REWARDS = ("builtin:math", "builtin:exact", "builtin:regex")
+
+
+class DatasetSettings(Section):
+    """Rows of prompts (and answers) read from local files: a dataset run trains one row per group."""
+
+    path: str = Field(
+        min_length=1,
+        description="A local .jsonl, .json, .parquet or .csv file, or a directory written by Hugging Face "
+        "datasets' save_to_disk; hub ids are not downloaded (save the dataset to disk first).",
+    )
+    split: str = Field(
+        default="train", min_length=1, description="The split to read; a single file is the split train."
+    )
+    prompt_field: str = Field(
+        default="prompt",
+        min_length=1,
+        description="Column of the prompt: a string (one user message) or a list of {role, content} messages.",
+    )
+    answer_field: str = Field(
+        default="answer", min_length=1, description="Column of the reference answer the reward compares with."
+    )
+    shuffle: bool = Field(default=True, description="Visit the rows in a seeded random order, a new one each epoch.")
+    seed: int = Field(default=0, ge=0, description="Seed of the row order.")
+
+
+class EvalSettings(Section):
+    """Periodic evaluation: the mean reward of one sampled reply per held-out row (not trained on)."""
+
+    dataset: DatasetSettings = Field(description="The evaluation rows (same keys as trainer.dataset).")
+    every_steps: int = Field(
+        default=10, ge=1, le=10_000_000, description="Evaluate every N steps (and after the last)."
+    )
+    samples: int = Field(default=32, ge=1, le=1_000_000, description="Rows scored per evaluation.")
+
+
+class ProxySettings(Section):
+    """The OpenAI-compatible endpoint the agent's client talks to (one session per episode)."""
+
+    host: str | None = Field(
+        default=None, description="Listen address; unset: all interfaces inside a pod, loopback elsewhere."
+    )
+    port: int = Field(default=8000, ge=0, le=65535, description="Listen port; 0: any free port.")
+    max_sessions: int = Field(
+        default=1024, ge=1, le=1_000_000, description="Sessions open at once; past it a new session gets 429."
+    )
+    idle_timeout_seconds: float = Field(
+        default=600.0, gt=0, allow_inf_nan=False, description="A session idle this long is ended."
+    )
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest request body; past it 413."
+    )
+
+
 class TrainerSettings(Section):
     """The RL loop (an RLJob's spec.trainerConfig)."""
 
@@ -325,6 +383,40 @@ class TrainerSettings(Section):
         description="Tokens of one conversation (prompt, replies, user turns); an episode whose next turn could pass "
         "it is ended (counted).",
     )
+    agent: str | None = Field(
+        default=None,
+        description=f"{IMPORT_STRING_FORM}: async def run(client: openai.AsyncOpenAI, row: dict) -> float or None, "
+        "one call per episode against the trainer's proxy; needs dataset. Unset: no agent.",
+    )
+    dataset: DatasetSettings | None = Field(
+        default=None,
+        description="Train on these rows (with agent: the rows the agent gets; without: each prompt is one reply "
+        "scored by reward). Unset: the task makes the episodes.",
+    )
+    reward: str | None = Field(
+        default=None,
+        description=f"Scores a reply against its row: {', '.join(BUILTIN_REWARDS)} or {IMPORT_STRING_FORM} "
+        "(fn(completion, row, **rewardArgs) -> float). Unset: none (an agent returns its own).",
+    )
+    reward_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="builtin:regex: {pattern: REGEX} (a named group answer is compared with the row's answer); "
+        "an import string: extra keyword arguments of each call.",
+    )
+    reward_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Time one reward call may take; past it (or when it raises) the reply scores 0 (counted).",
+    )
+    max_new_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=65536,
+        description="Reply length for dataset prompts; the default and ceiling of an agent call's max_tokens.",
+    )
+    eval: EvalSettings | None = Field(default=None, description="Periodic evaluation; unset: none.")
+    proxy: ProxySettings = Field(default_factory=ProxySettings)
     rollout: SamplingSettings = Field(default_factory=SamplingSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     loss: LossSettings = Field(default_factory=LossSettings)
