@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         type=_module_name,
         metavar="MODULE",
-        help="run only built-in tasks and trainerConfig.task modules under MODULE (repeatable; default: any)",
+        help="import only trainerConfig.task, .agent and .reward modules under MODULE; built-in tasks and rewards "
+        "always pass (repeatable; default: any)",
     )
     o.add_argument(
         "--allow-image-prefix",
@@ -162,6 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
         "weight_sync": result.weight_sync(),
         "checkpoints": result.checkpoints(),
     }
+    if (endpoint := result.openai_endpoint()) is not None:
+        summary["openai_endpoint"] = endpoint
     if args.objects:
         summary["objects"] = result.objects
     if args.json:
@@ -177,6 +180,8 @@ def _plan(args: argparse.Namespace) -> int:
         )
     for line in _notes(summary["weight_sync"], summary["checkpoints"]):
         print(line)
+    if "openai_endpoint" in summary:
+        print(f"agent endpoint: {summary['openai_endpoint']} (trainer rank 0; the RLJob's own pods reach it)")
     if args.objects:
         print(yaml.safe_dump_all(result.objects, sort_keys=False))
     return 0

@@ -61,6 +61,26 @@ class ModelSource(_Model):
     volume: VolumeRef | None = Field(default=None, description="Mount this claim at /models; `path` is inside it.")
 
 
+class DataVolume(_Model):
+    """Files the trainer reads (``trainer.dataset``, ``trainer.eval.dataset``): the trainer reads local
+    files only, so rows come from a claim or a ConfigMap mounted into its pods."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_cel(
+            ("has(self.claimName) != has(self.configMap)", "data needs exactly one of claimName and configMap")
+        )
+    )
+
+    claim_name: str | None = Field(
+        default=None, min_length=1, description="A PersistentVolumeClaim in the RLJob's namespace, mounted read-only."
+    )
+    config_map: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A ConfigMap in the RLJob's namespace (small files, at most 1 MiB in all), each key a file.",
+    )
+
+
 class Images(_Model):
     """Container images; the trainer image also launches SGLang/vLLM for rollout pods."""
 
@@ -213,6 +233,10 @@ class RLJobSpec(_Model):
     trainer_config: dict[str, Any] = Field(
         default_factory=dict,
         description="The trainer's `trainer:` section (docs/trainer.md): RL loop, optimizer, loss, task.",
+    )
+    data: DataVolume | None = Field(
+        default=None,
+        description="Mounted read-only at /data in the trainer pods: give trainer.dataset.path as /data/FILE.",
     )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)
     weight_sync: WeightSync = Field(default_factory=WeightSync)

@@ -9,7 +9,9 @@ Children of RLJob ``NAME`` (all in its namespace):
     NAME-config                 ConfigMap: the trainer config (config.yaml)
     NAME-rollout[-ENGINE]       headless Service + StatefulSet per rollout engine
     NAME-trainer                headless Service + Indexed Job for the trainer gang (actor,
-                                and critic/ref colocated in the same pods)
+                                and critic/ref colocated in the same pods); with trainer.agent
+                                the Service also has the port ``openai`` (trainer.proxy.port):
+                                the OpenAI-compatible endpoint that trainer rank 0 serves
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ MAX_NAME_LENGTH = 30
 CONFIG_PATH = "/etc/treetrain/config.yaml"
 CHECKPOINT_DIR = "/checkpoints"
 MODEL_DIR = "/models"
+DATA_DIR = "/data"  # spec.data, read-only in the trainer pods
+OPENAI_PORT_NAME = "openai"  # the trainer Service's port of the agent endpoint (trainer.agent set)
 METRICS_PORT = 9400
 ANNOTATION_WEIGHT_SYNC = f"{GROUP}/weight-sync"
 # On each trainer Job: the allocation of the components in its pods, and a hash of its pod
@@ -153,6 +157,12 @@ class Plan:
             "world_size": 1 + sum(gpus for _, _, gpus in _servers(self)),
             "ranks": {"trainer": "0", **engine_ranks(self)},
         }
+
+    def openai_endpoint(self) -> str | None:
+        """The base URL of the OpenAI-compatible endpoint trainer rank 0 serves (None without
+        ``trainer.agent``); reachable only from the RLJob's own pods under its NetworkPolicy."""
+        port = openai_port(self.config)
+        return None if port is None else f"http://{trainer_rank0_address(self)}:{port}/v1"
 
     def checkpoints(self) -> dict[str, Any]:
         """Where checkpoints live and whether a restarted gang can resume from them."""
@@ -353,12 +363,77 @@ def task_module_allowed(task: str, allowed: tuple[str, ...]) -> bool:
     return any(module == entry or module.startswith(entry + ".") for entry in allowed)
 
 
+def openai_port(config: TrainConfig | None) -> int | None:
+    """``trainer.proxy.port`` when the trainer runs an agent (``trainer.agent``), else None."""
+    if config is None or config.trainer.agent is None:
+        return None
+    return config.trainer.proxy.port
+
+
+# A dataset path the trainer would have to download: scheme://... (s3://, gs://, hf://, http://, file://).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_CODE_KEYS = (("agent", "an agent"), ("reward", "a reward"))
+_DATASET_KEYS = (("dataset",), ("eval", "dataset"))
+
+
+def trainer_code_problems(trainer: dict[str, Any], allowed: tuple[str, ...]) -> list[FieldError]:
+    """What ``spec.trainerConfig`` imports and reads that the trainer config cannot judge: the
+    agent and reward import strings against the task-module allow-list (one rule for every
+    module the trainer imports), and dataset paths that are URLs (the trainer reads only files
+    in its pod). Read from the mapping as written, so it holds even when other keys are wrong."""
+    errors: list[FieldError] = []
+    for key, what in _CODE_KEYS:
+        value = trainer.get(key)
+        if isinstance(value, str) and not value.startswith("builtin:") and not task_module_allowed(value, allowed):
+            errors.append(
+                FieldError(
+                    f"spec.trainerConfig.{key}",
+                    f"{value!r} is not allowed by this operator, which imports {what} only from modules under "
+                    f"{', '.join(allowed)}; use one of those, or ask the cluster admin to add the module to the "
+                    "chart's admission.allowedTaskModules",
+                )
+            )
+    for keys in _DATASET_KEYS:
+        node: Any = trainer
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        path = node.get("path") if isinstance(node, dict) else None
+        if isinstance(path, str) and _URL.match(path):
+            errors.append(
+                FieldError(
+                    f"spec.trainerConfig.{'.'.join(keys)}.path",
+                    f"{path!r} is a URL; the trainer reads local files only: mount it into the pod and give the "
+                    f"path (spec.data mounts a claim or ConfigMap at {DATA_DIR}: {DATA_DIR}/train.jsonl)",
+                )
+            )
+    return errors
+
+
+def _port_problems(spec: RLJobSpec, config: TrainConfig | None) -> list[FieldError]:
+    """The agent endpoint's port must be a fixed port no other trainer port uses."""
+    port = openai_port(config)
+    if port is None:
+        return []
+    path = "spec.trainerConfig.proxy.port"
+    if port == 0:
+        return [FieldError(path, "0 (any free port) cannot be a Service port; give a fixed port (8000, the default)")]
+    taken = {METRICS_PORT: "the trainer's metrics port", spec.master_port: "spec.masterPort (torchrun)"}
+    if spec.weight_sync.method == "distributed":
+        taken.setdefault(spec.weight_sync.port, "spec.weightSync.port")
+    if port in taken:
+        return [FieldError(path, f"{port} is also {taken[port]}; give the agent endpoint another port (8000)")]
+    return []
+
+
 def check_admission(spec: RLJobSpec, config: TrainConfig | None, limits: Limits) -> list[FieldError]:
     """What the API would refuse in the pod spec, what the servers would execute (a model path
     that is a flag or leaves its volume; under allow-lists, server flags that load code), and
-    the operator's allow-lists (``--allow-task-module``, ``--allow-image-prefix``,
-    ``--allow-server-flag``). Child names are checked on the rendered objects (:func:`plan`)."""
+    the operator's allow-lists (``--allow-task-module``, also for the agent and reward modules,
+    ``--allow-image-prefix``, ``--allow-server-flag``). Child names are checked on the rendered
+    objects (:func:`plan`)."""
     errors = [FieldError(path, message) for path, message in _spec_problems(spec, limits)]
+    errors += trainer_code_problems(spec.trainer_config, limits.task_modules)
+    errors += _port_problems(spec, config)
     if config is not None and not task_module_allowed(config.trainer.task, limits.task_modules):
         errors.append(
             FieldError(
@@ -395,6 +470,7 @@ def _spec_problems(spec: RLJobSpec, limits: Limits) -> list[admission.Problem]:
     for path, volume in (("spec.model.volume", spec.model.volume), ("spec.checkpoint.volume", spec.checkpoint.volume)):
         if volume is not None and (why := admission.subdomain_problem(volume.claim_name)):
             found.append((f"{path}.claimName", f"{volume.claim_name!r} {why} (the name of a PersistentVolumeClaim)"))
+    found += _data_problems(spec)
     found += admission.model_path_problems(spec.model.path, volume=spec.model.volume is not None)
     if limits.task_modules or limits.image_prefixes or limits.server_flags:
         engines = [("spec.rollout", spec.rollout), *((f"spec.additionalRollouts[{i}]", e)
@@ -405,6 +481,20 @@ def _spec_problems(spec: RLJobSpec, limits: Limits) -> list[admission.Problem]:
                 f"{path}.serverArgs", backend, engine.server_args, allowed=frozenset(limits.server_flags)
             )
     return found
+
+
+def _data_problems(spec: RLJobSpec) -> list[admission.Problem]:
+    data = spec.data
+    if data is None:
+        return []
+    if (data.claim_name is None) == (data.config_map is None):
+        return [("spec.data", "set exactly one of claimName (a PersistentVolumeClaim) and configMap (a ConfigMap)")]
+    name, what = (data.claim_name, "PersistentVolumeClaim") if data.claim_name else (data.config_map, "ConfigMap")
+    assert name is not None
+    field = "claimName" if data.claim_name else "configMap"
+    if why := admission.subdomain_problem(name):
+        return [(f"spec.data.{field}", f"{name!r} {why} (the name of a {what})")]
+    return []
 
 
 def _check_children(plan: Plan, objects: list[dict[str, Any]]) -> list[FieldError]:
@@ -950,6 +1040,9 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
     if spec.checkpoint.volume is None:
         volumes.append({"name": "checkpoints", "emptyDir": {}})
         mounts.append({"name": "checkpoints", "mountPath": CHECKPOINT_DIR})
+    if spec.data is not None:
+        volumes.append(_data_volume(spec))
+        mounts.append({"name": "data", "mountPath": DATA_DIR, "readOnly": True})
     gpu = spec.gpu_resource_name
     container = {
         "name": "trainer",
@@ -962,6 +1055,7 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
             {"name": "metrics", "containerPort": METRICS_PORT},
             {"name": "rdzv", "containerPort": spec.master_port},
             *_sync_ports(plan, "containerPort"),
+            *_openai_ports(plan, "containerPort"),
         ],
         "resources": _resources(gpu, nproc),
         "securityContext": dict(CONTAINER_SECURITY),
@@ -995,8 +1089,22 @@ def _trainer(plan: Plan, comp: Component, *, restart: int) -> list[dict[str, Any
         },
     }
     indexed_job["metadata"]["annotations"] = _running_as(plan, comp, indexed_job["spec"]["template"])
-    sync_ports = [{**p, "targetPort": p["port"]} for p in _sync_ports(plan, "port")]
-    return [_headless_service(plan, service, comp.role, selector, spec.master_port, *sync_ports), indexed_job]
+    ports = [{**p, "targetPort": p["port"]} for p in (*_sync_ports(plan, "port"), *_openai_ports(plan, "port"))]
+    return [_headless_service(plan, service, comp.role, selector, spec.master_port, *ports), indexed_job]
+
+
+def _data_volume(spec: RLJobSpec) -> dict[str, Any]:
+    data = spec.data
+    assert data is not None
+    if data.claim_name is not None:
+        return {"name": "data", "persistentVolumeClaim": {"claimName": data.claim_name, "readOnly": True}}
+    return {"name": "data", "configMap": {"name": data.config_map}}
+
+
+def _openai_ports(plan: Plan, key: str) -> list[dict[str, Any]]:
+    """The agent endpoint's port (``trainer.proxy.port``, named ``openai``) when ``trainer.agent`` is set."""
+    port = openai_port(plan.config)
+    return [] if port is None else [{"name": OPENAI_PORT_NAME, key: port}]
 
 
 def _running_as(plan: Plan, comp: Component, template: dict[str, Any]) -> dict[str, str]:
