@@ -42,9 +42,10 @@ from treetrain.rl.controller import RolloutController
 from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
-from treetrain.rl.task import Task, load_task
+from treetrain.rl.task import Task, TaskError
 from treetrain.trainer.checkpoints import Checkpoints
 from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
+from treetrain.trainer.sources import Sources, read_data_state, write_data_state
 from treetrain.trainer.weight_sync import WeightSync
 
 
@@ -116,8 +117,10 @@ class Trainer:
         self.checkpoints = Checkpoints(cfg.checkpoint.dir, keep=t.keep_checkpoints)
         self.checkpoints.prepare()
         builtin.local_dir(cfg.model.path, self.log)  # a packaged built-in model: converted once, with progress
-        # The task before the model: a task that cannot load fails before minutes of weight loading.
-        self.task: Task = load_task(t.task, t.task_args, lambda: builtin.load_tokenizer(cfg.model.path))
+        # The task (or dataset, reward, agent) before the model: one that cannot load fails before
+        # minutes of weight loading.
+        self.sources = Sources(cfg, lambda: builtin.load_tokenizer(cfg.model.path), self.log)
+        self.task: Task = self.sources.task
         # The task's own code runs under a per-episode budget, and SIGTERM stops it (treetrain.rl.limits).
         self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
         tree = cfg.actor.tree_training
@@ -213,6 +216,8 @@ class Trainer:
             # Finished untrained groups and what each step has consumed: a resumed run neither
             # loses nor repeats a group.
             (path / ROLLOUT_STATE).write_text(json.dumps(self.controller.state()))
+        if self.main:
+            write_data_state(path, self.sources.data_state(step))  # a resumed run trains the next rows
         self._barrier()
         if self.main:
             self.checkpoints.commit(step)
@@ -233,6 +238,7 @@ class Trainer:
                 self.log(f"resumed from {path} (step {step})")
                 self.checkpoints.resumed_from = path  # kept by every prune of this run
                 self.rollout_state = read_rollout_state(path) if self.main else None
+                self.sources.resume(read_data_state(path))
                 return step
             self.checkpoints.unreadable.add(path)  # the next save prunes it first
             self.log(f"checkpoint: {problem}; trying an older one")
@@ -288,6 +294,9 @@ class Trainer:
         self.weights.resend_if_restarted()
         if self.max_staleness >= 1:
             return self._take(step)
+        if self.sources.agent is not None:
+            self._start_sources()  # train_step called without run()
+            return self._on_rank0(lambda: self.sources.play_agent_step(step))
         rollouts = collect_rollouts(
             self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
         )
@@ -322,6 +331,8 @@ class Trainer:
         turn as the synchronous loop plays them, each turn's replies in one request batch."""
         t, client = self.cfg.trainer, self.client
         assert client is not None
+        if self.sources.agent is not None:
+            return self.sources.play_agent_group(step, g)
 
         def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
             return client.generate(prompts, params, seed=seed)
@@ -336,6 +347,37 @@ class Trainer:
             clock=clock,
             version=lambda: client.gate.version,
         )
+
+    def _on_rank0(self, play: Callable[[], Any]) -> Any:
+        """``play()`` on rank 0, through the agent proxy, while the other ranks take part in its
+        generate calls (local rollout); its result (or error) reaches every rank."""
+        out: list[Any] = [None]
+        if self.main:
+            try:
+                out = [play()]
+            except Exception as err:
+                out = [err]
+            finally:
+                self.sources.release()
+        else:
+            self.sources.follow()
+        if self.layout.world_size > 1:
+            dist.broadcast_object_list(out, src=0)
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        return out[0]
+
+    def _evaluate(self, step: int) -> float | None:
+        """``trainer.eval``: the mean greedy reward on the evaluation rows (rank 0's figure)."""
+        if not self.sources.eval_due(step):
+            return None
+        if self.sources.agent is not None:
+            reward: float = self._on_rank0(lambda: self.sources.evaluate(step, self._generate))
+        else:  # the dataset task: every rank takes part in the generate call
+            reward = self.sources.evaluate(step, self._generate)
+        if self.client is not None:
+            self.client.forget()
+        return reward
 
     def _start_rollout(self, start: int) -> None:
         """Asynchronous rollout: rank 0 starts the controller at the weights the servers hold."""
@@ -357,6 +399,23 @@ class Trainer:
             keep=informative,
             state=self.rollout_state,
             log=self.log,
+        )
+
+    def _start_sources(self) -> None:
+        """Agent runs: rank 0's proxy, on the rollout client (local rollout: every rank's model)."""
+        client = self.client
+        if self.sources.agent is None or self.sources.lockstep is not None or client is None:
+            return
+
+        def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+            return client.generate(prompts, params, seed=seed)
+
+        self.sources.start(
+            generate,
+            world_size=1 if self.remote else self.layout.world_size,
+            main=self.main,
+            in_pod=self.launch.in_pod,
+            max_staleness=self.max_staleness,
         )
 
     def _stop_rollout(self) -> None:
@@ -396,6 +455,8 @@ class Trainer:
     def train_step(self, step: int) -> StepRecord:
         t0 = time.perf_counter()
         rollouts = self.collect(step)
+        if not rollouts.samples:
+            raise TaskError(f"step {step + 1}: no sample to train (every agent run failed; see the lines above)")
         tc = time.perf_counter()
         batch = make_batch(rollouts, self.cfg.trainer)
         t1 = time.perf_counter()
@@ -424,6 +485,9 @@ class Trainer:
             extra["staleness_max"] = float(max(rollout["staleness"]))
             extra["staleness_mean"] = sum(rollout["staleness"]) / len(rollout["staleness"])
         self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
+        eval_reward = self._evaluate(step + 1)
+        if eval_reward is not None:
+            extra["eval_reward"] = eval_reward
         record = StepRecord(
             step=step + 1,
             reward=rollouts.mean_reward,
@@ -457,6 +521,9 @@ class Trainer:
                     **rollout,
                 )
             )
+            self.metrics.observe_agents(*self.sources.figures())
+            if eval_reward is not None:
+                self.metrics.observe_eval(eval_reward)
         return record
 
     def _train_critic(self, batch: TrainBatch) -> float:
@@ -477,6 +544,7 @@ class Trainer:
         if start > 0:
             self.weights.sync(start)  # the servers still serve the initial weights: send the resumed ones
         self._serve_metrics()
+        self._start_sources()
         self._start_rollout(start)
         begin = time.perf_counter()
         records = []
@@ -566,6 +634,7 @@ class Trainer:
 
     def close(self) -> None:
         self._stop_rollout()
+        self.sources.close()
         self.metrics.close()
         self.weights.close()
         if self.client is not None:
@@ -611,6 +680,7 @@ def format_record(rec: StepRecord, total: int) -> str:
             if "staleness_max" in rec.stats
             else ""
         )
+        + (f" | eval reward {rec.stats['eval_reward']:.3f}" if "eval_reward" in rec.stats else "")
     )
 
 
