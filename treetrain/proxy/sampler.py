@@ -1,0 +1,148 @@
+"""One worker thread in front of a ``Generate`` callable, batching concurrent requests.
+
+Local rollout is not thread-safe and samples a batch of prompts for about the price of one, and
+an agent's ``groupSize`` concurrent runs send their calls at nearly the same moment: so requests
+with equal sampling parameters (and equal explicit seeds) that arrive within ``window_s`` of the
+first go to the model as ONE ``generate`` call. While a batch runs, new requests queue up and
+form the next one. A failing ``generate`` fails only the requests of its batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from treetrain.rl.rollout import Generation, RolloutError, SamplingParams, ServerUnavailable
+
+Generate = Callable[[list[list[int]], SamplingParams, int], list[Generation]]  # treetrain.rl.collect.Generate
+
+
+class SamplerError(RuntimeError):
+    """A batch's ``generate`` failed; ``status`` is 503 when the rollout source is unavailable, else 500."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    params: SamplingParams
+    seed: int
+    explicit_seed: bool
+    future: Future[list[Generation]] = field(default_factory=Future)
+
+    @property
+    def key(self) -> tuple[SamplingParams, int | None]:
+        # Requests without a seed of their own share a batch (it samples with the first one's).
+        return self.params, self.seed if self.explicit_seed else None
+
+
+class BatchingSampler:
+    """``submit`` from any thread; one daemon worker calls ``generate``. ``log`` gets one line per
+    failed batch."""
+
+    def __init__(
+        self,
+        generate: Generate,
+        *,
+        window_s: float = 0.01,
+        max_batch: int = 64,
+        log: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self._generate = generate
+        self.window_s = window_s
+        self.max_batch = max_batch
+        self._log = log
+        self._cond = threading.Condition()
+        self._queue: list[_Request] = []
+        self._closed = False
+        self.batches = 0  # generate calls made (the tests read it)
+        self._worker = threading.Thread(target=self._run, name="treetrain-proxy-sampler", daemon=True)
+        self._worker.start()
+
+    def submit(
+        self, prompts: Sequence[list[int]], params: SamplingParams, seed: int, *, explicit_seed: bool = False
+    ) -> Future[list[Generation]]:
+        """A future of one generation per prompt. Its prompts stay in one batch."""
+        req = _Request([list(p) for p in prompts], params, seed, explicit_seed)
+        with self._cond:
+            if self._closed:
+                req.future.set_exception(SamplerError(503, "the proxy is shutting down"))
+                return req.future
+            self._queue.append(req)
+            self._cond.notify_all()
+        return req.future
+
+    def generate(
+        self, prompts: Sequence[list[int]], params: SamplingParams, seed: int, *, explicit_seed: bool = False
+    ) -> list[Generation]:
+        """:meth:`submit` and wait (raises :class:`SamplerError`)."""
+        return self.submit(prompts, params, seed, explicit_seed=explicit_seed).result()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Fail what is queued and stop the worker after its current batch."""
+        with self._cond:
+            self._closed = True
+            queued, self._queue = self._queue, []
+            self._cond.notify_all()
+        for req in queued:
+            req.future.set_exception(SamplerError(503, "the proxy is shutting down"))
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout_s)
+
+    # -- the worker -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            self._call(batch)
+
+    def _next_batch(self) -> list[_Request] | None:
+        """The oldest request and those like it that arrive within the window (up to max_batch prompts)."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            first = self._queue[0]
+            deadline = time.monotonic() + self.window_s
+            while (left := deadline - time.monotonic()) > 0 and self._count(first.key) < self.max_batch:
+                self._cond.wait(left)
+                if self._closed:
+                    return None
+            batch: list[_Request] = []
+            size = 0
+            for req in list(self._queue):
+                if req.key == first.key and (not batch or size + len(req.prompts) <= self.max_batch):
+                    batch.append(req)
+                    size += len(req.prompts)
+                    self._queue.remove(req)
+            return batch
+
+    def _count(self, key: tuple[SamplingParams, int | None]) -> int:
+        return sum(len(r.prompts) for r in self._queue if r.key == key)
+
+    def _call(self, batch: list[_Request]) -> None:
+        prompts = [p for req in batch for p in req.prompts]
+        self.batches += 1
+        try:
+            gens = self._generate(prompts, batch[0].params, batch[0].seed)
+            if len(gens) != len(prompts):
+                raise RolloutError(f"the rollout source returned {len(gens)} generations for {len(prompts)} prompts")
+        except Exception as err:  # any failure of the source fails this batch only
+            status = 503 if isinstance(err, ServerUnavailable | RolloutError | ConnectionError | TimeoutError) else 500
+            message = f"generation failed: {type(err).__name__}: {err}"
+            self._log(f"treetrain proxy: {message} ({len(prompts)} prompts)")
+            for req in batch:
+                req.future.set_exception(SamplerError(status, message))
+            return
+        at = 0
+        for req in batch:
+            req.future.set_result(gens[at : at + len(req.prompts)])
+            at += len(req.prompts)
