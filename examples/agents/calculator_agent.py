@@ -1,0 +1,166 @@
+"""A tool-using agent for ``trainer.agent: calculator_agent:run``, written against the plain openai SDK.
+
+It sends a row's question with one tool, ``calculator``, runs the calls the model makes (a small
+arithmetic evaluator, never ``eval``), sends the results back and, when the model answers without
+a tool call, scores that answer against ``row["answer"]`` (GSM8K's ``#### N`` convention). The
+trainer trains on every completion the proxy recorded for the run, with the returned reward.
+
+Each assistant message goes back into the conversation exactly as the endpoint returned it: the
+proxy then extends the earlier prompt's tokens with the sampled ones instead of re-rendering the
+conversation (docs/agents.md, "Token in, token out").
+
+Nothing here is treetrain-specific: pointed at any OpenAI-compatible server it runs the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import operator
+import re
+from collections.abc import Callable
+from typing import Any
+
+import openai
+
+SYSTEM = (
+    "Solve the problem step by step. Use the calculator tool for any arithmetic. "
+    "End your reply with the final answer as '#### NUMBER'."
+)
+CALCULATOR: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "For example (12 + 30) * 4"}},
+            "required": ["expression"],
+        },
+    },
+}
+MAX_EXPRESSION = 200  # characters the evaluator reads
+MAX_EXPONENT = 64  # 10 ** 64 is plenty for school arithmetic; 9 ** 9 ** 9 would hang the agent
+MAX_MAGNITUDE = 1e18
+
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class CalculatorError(ValueError):
+    """An expression the calculator does not evaluate; the message goes back to the model."""
+
+
+def calculate(expression: str) -> float | int:
+    """The value of an arithmetic expression; CalculatorError for anything else (names, calls,
+    huge powers), so a model's mistake costs one tool message, never the run."""
+    if len(expression) > MAX_EXPRESSION:
+        raise CalculatorError(f"expression longer than {MAX_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.replace("^", "**"), mode="eval")
+    except SyntaxError:
+        raise CalculatorError(f"not an arithmetic expression: {expression!r}") from None
+    value = _value(tree.body)
+    if abs(value) > MAX_MAGNITUDE or not math.isfinite(value):
+        raise CalculatorError("the result is out of range")
+    return value
+
+
+def _value(node: ast.AST) -> float | int:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_value(node.operand))  # type: ignore[no-any-return]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise CalculatorError(f"exponent {right} is larger than {MAX_EXPONENT}")
+        try:
+            result = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise CalculatorError("division by zero") from None
+        if isinstance(result, complex) or abs(result) > MAX_MAGNITUDE:
+            raise CalculatorError("the result is out of range")
+        return result  # type: ignore[no-any-return]
+    raise CalculatorError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
+
+
+def tool_result(arguments: str) -> str:
+    """What one calculator call answers: the value, or an error the model can read and retry on."""
+    try:
+        args = json.loads(arguments)
+        expression = args["expression"]
+        if not isinstance(expression, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        return 'error: arguments must be JSON {"expression": "..."}'
+    try:
+        value = calculate(expression)
+    except CalculatorError as err:
+        return f"error: {err}"
+    return _show(value)
+
+
+def _show(value: float | int) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(round(value, 10)) if isinstance(value, float) else str(value)
+
+
+def final_number(text: str) -> float | None:
+    """The number after the last ``####``, else the last number in ``text``; None when there is none."""
+    found = _NUMBER.findall(text.rpartition("####")[2])[:1] if "####" in text else _NUMBER.findall(text)[-1:]
+    return float(found[0].replace(",", "")) if found else None
+
+
+def score(reply: str | None, answer: Any) -> float:
+    """1.0 when the reply's final number equals the row's answer (a GSM8K ``... #### 72`` string or a
+    number), else 0.0."""
+    want = float(answer) if isinstance(answer, int | float) else final_number(str(answer))
+    got = final_number(reply or "")
+    if want is None or got is None:
+        return 0.0
+    return 1.0 if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6) else 0.0
+
+
+def question(row: dict[str, Any]) -> str:
+    """GSM8K's ``question`` column, else ``prompt``."""
+    for key in ("question", "prompt"):
+        if isinstance(row.get(key), str):
+            return str(row[key])
+    raise ValueError(f"the row has no question or prompt string (keys: {sorted(row)})")
+
+
+async def run(client: openai.AsyncOpenAI, row: dict[str, Any], *, model: str = "policy", max_turns: int = 4) -> float:
+    """One episode: up to ``max_turns`` completions; the reward of the first reply without a tool
+    call, or 0.0 when the model is still calling tools after ``max_turns``. ``model``: the trainer's
+    proxy serves one model under any name; give the real name for another server."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(row)}]
+    for _ in range(max_turns):
+        completion = await client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=[CALCULATOR],
+            temperature=1.0,  # type: ignore[arg-type]
+        )
+        message = completion.choices[0].message
+        # Exactly the fields the endpoint returned (nothing filled in, nothing dropped).
+        messages.append(message.model_dump(exclude_unset=True))
+        if not message.tool_calls:
+            return score(message.content, row.get("answer"))
+        for call in message.tool_calls:
+            result = (
+                tool_result(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"
+            )
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return 0.0

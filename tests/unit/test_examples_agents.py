@@ -1,0 +1,267 @@
+"""The agent examples: examples/agents/calculator_agent.py against a scripted OpenAI-compatible
+server and against the in-process proxy (token in, token out across its tool turn), the RLJob
+that trains it through the operator's plan and admission, and the two trainer configs."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any, ClassVar
+
+import openai
+import pytest
+import yaml
+
+from rljob_operator.plan import Limits, PlanError, plan
+from treetrain.config import load
+from treetrain.rl.agent import load_agent
+from treetrain.rl.rollout import Generation, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from json_http import JSONHandler  # noqa: E402
+
+AGENTS = ROOT / "examples" / "agents"
+ROW = {
+    "question": "A crate holds 12 boxes of 30 pencils, and 4 boxes are sold. How many are left?",
+    "answer": "#### 240",
+}
+
+
+@pytest.fixture
+def calc(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The example module, imported the way the trainer imports trainer.agent."""
+    monkeypatch.syspath_prepend(str(AGENTS))
+    agent = load_agent("calculator_agent:run")
+    import calculator_agent
+
+    assert agent is calculator_agent.run
+    return calculator_agent
+
+
+# ---------------------------------------------------------------------------
+# The calculator and the score
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("(12 + 30) * 4", "168"), ("7 / 2", "3.5"), ("2 ** 10", "1024"), ("2^3", "8"), ("-3 + +2", "-1"), ("10 % 4", "2")],
+)
+def test_the_calculator_evaluates_arithmetic(calc: ModuleType, expression: str, value: str) -> None:
+    assert calc.tool_result(json.dumps({"expression": expression})) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "words"),
+    [
+        ("__import__('os').system('true')", "not Call"),
+        ("open('/etc/passwd')", "not Call"),
+        ("x + 1", "not Name"),
+        ("().__class__", "not Attribute"),
+        ("9 ** 9 ** 9", "exponent"),
+        ("1 / 0", "division by zero"),
+        ("1e400", "out of range"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * 300, "longer than"),
+    ],
+)
+def test_the_calculator_runs_no_code_and_answers_errors(calc: ModuleType, expression: str, words: str) -> None:
+    result = calc.tool_result(json.dumps({"expression": expression}))
+    assert result.startswith("error: ") and words in result, result
+
+
+def test_bad_tool_arguments_are_an_answer_not_a_crash(calc: ModuleType) -> None:
+    for arguments in ("not json", "{}", '{"expression": 3}'):
+        assert calc.tool_result(arguments).startswith("error: arguments must be JSON")
+
+
+def test_the_score_reads_gsm8k_answers(calc: ModuleType) -> None:
+    assert calc.score("so 12 * 20 = 240\n#### 240", "4 * 60\n#### 240") == 1.0
+    assert calc.score("The answer is 1,240.", "#### 1240") == 1.0  # no ####: the last number
+    assert calc.score("#### 241", "#### 240") == 0.0
+    assert calc.score("no number", "#### 240") == 0.0
+    assert calc.score(None, 240) == 0.0
+    assert calc.score("#### 3.5", 3.5) == 1.0
+
+
+# ---------------------------------------------------------------------------
+# Against a scripted OpenAI-compatible server
+
+
+class ScriptedChat(JSONHandler):
+    """Answers /v1/chat/completions with ``replies`` in turn; records each request body."""
+
+    replies: ClassVar[list[dict[str, Any]]] = []
+    bodies: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = self._body()
+        self.bodies.append(body)
+        message = self.replies[min(len(self.bodies), len(self.replies)) - 1]
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        self._reply(
+            200,
+            {
+                "id": f"chatcmpl-{len(self.bodies)}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            },
+        )
+
+
+def _call(expression: str, call_id: str = "call_1") -> dict[str, Any]:
+    arguments = json.dumps({"expression": expression})
+    return {"id": call_id, "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, type[ScriptedChat]]]:
+    handler = type("Handler", (ScriptedChat,), {"replies": [], "bodies": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1", handler
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _play(calc: ModuleType, url: str, row: dict[str, Any], key: str = "sk-test", **kwargs: Any) -> float:
+    async def go() -> float:
+        async with openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0, timeout=60) as client:
+            return float(await calc.run(client, row, **kwargs))
+
+    return asyncio.run(go())
+
+
+def test_the_agent_calls_the_tool_sends_the_result_back_and_scores(
+    calc: ModuleType, scripted: tuple[str, type[ScriptedChat]]
+) -> None:
+    url, handler = scripted
+    first = {"role": "assistant", "content": None, "tool_calls": [_call("12 * 30 - 4 * 30", "call_a")]}
+    handler.replies = [first, {"role": "assistant", "content": "12*30 - 4*30 = 240\n#### 240"}]
+    assert _play(calc, url, ROW) == 1.0
+    assert len(handler.bodies) == 2
+    request = handler.bodies[0]
+    assert request["tools"] == [calc.CALCULATOR] and request["model"] == "policy"
+    assert [m["role"] for m in request["messages"]] == ["system", "user"]
+    assert request["messages"][1]["content"] == ROW["question"]
+    follow = handler.bodies[1]["messages"]
+    assert follow[:2] == request["messages"]
+    assert follow[2] == first  # the assistant message exactly as returned: no field added or dropped
+    assert follow[3] == {"role": "tool", "tool_call_id": "call_a", "content": "240"}
+
+
+def test_a_wrong_answer_scores_0_and_a_model_that_never_stops_calling_is_cut(
+    calc: ModuleType, scripted: tuple[str, type[ScriptedChat]]
+) -> None:
+    url, handler = scripted
+    handler.replies = [{"role": "assistant", "content": "#### 7"}]
+    assert _play(calc, url, ROW) == 0.0
+    handler.bodies.clear()
+    handler.replies = [{"role": "assistant", "content": None, "tool_calls": [_call("1 + 1"), _call("x", "call_2")]}]
+    assert _play(calc, url, ROW, max_turns=3) == 0.0
+    assert len(handler.bodies) == 3
+    tools = [m for m in handler.bodies[-1]["messages"] if m["role"] == "tool"]
+    assert [t["content"] for t in tools] == ["2", "error: only numbers and + - * / // % ** are allowed, not Name"] * 2
+
+
+# ---------------------------------------------------------------------------
+# Against the trainer's proxy (in-process, a scripted generate on the real tokenizer)
+
+
+class ScriptedGenerate:
+    """A Generate that answers the k-th call with ``replies[k]``, closed by the end-of-turn token."""
+
+    def __init__(self, renderer: Any, replies: list[str]) -> None:
+        self.renderer, self.replies = renderer, replies
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+        text = self.replies[min(len(self.prompts), len(self.replies) - 1)]
+        self.prompts.extend(list(p) for p in prompts)
+        tokens = [*self.renderer.tokenizer.encode(text, add_special_tokens=False), self.renderer.stop_token_ids[-1]]
+        return [Generation(list(tokens), [-0.5] * len(tokens), "stop", [3] * len(tokens)) for _ in prompts]
+
+
+def test_the_agent_through_the_proxy_extends_its_tokens_across_the_tool_turn(calc: ModuleType) -> None:
+    from treetrain.engines.builtin import load_tokenizer
+    from treetrain.proxy.chat import ChatRenderer
+    from treetrain.proxy.server import ProxyServer
+
+    renderer = ChatRenderer(load_tokenizer("builtin:smollm2-135m"))
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 30 - 4 * 30"}}</tool_call>'
+    generate = ScriptedGenerate(renderer, [call, "That is 240.\n#### 240"])
+    server = ProxyServer(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m")
+    server.start("127.0.0.1", 0)
+    try:
+        session = server.store.create(seed=1)
+        assert _play(calc, server.url + "/v1", ROW, key=session.api_key) == 1.0
+        first, second = server.store.samples(session.id)
+        stats = server.stats.snapshot()
+    finally:
+        server.close()
+    # The second prompt is the first prompt, its sampled tokens, then only the rendered tool message.
+    assert generate.prompts[1][: len(first.input_ids)] == first.input_ids
+    assert stats["fresh_renders"] == {"edited": 0, "template": 0}
+    assert second.input_ids[: len(first.input_ids)] == first.input_ids
+    assert sum(first.loss_mask) == len(renderer.tokenizer.encode(call, add_special_tokens=False)) + 1
+    assert len(second.input_ids) == len(second.loss_mask) == len(second.logprobs) == len(second.versions)
+
+
+# ---------------------------------------------------------------------------
+# The RLJob and the trainer configs
+
+
+def test_the_agent_rljob_is_valid_for_rljob_plan() -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "rljob-agent.yaml").read_text())
+    p = plan(manifest)
+    assert p.config is not None and p.config.trainer.agent == "calculator_agent:run"
+    assert p.openai_endpoint() == "http://calc-trainer-0.calc-trainer.default.svc:8000/v1"
+    job = next(o for o in p.objects if o["kind"] == "Job")
+    pod = job["spec"]["template"]["spec"]
+    assert {"name": "data", "configMap": {"name": "calc-rows"}} in pod["volumes"]
+    # The dataset paths are files of the mounted ConfigMap: its keys are the example files' names.
+    for path in (p.config.trainer.dataset.path, p.config.trainer.eval.dataset.path):  # type: ignore[union-attr]
+        assert path.startswith("/data/") and (AGENTS / path.removeprefix("/data/")).is_file()
+    # The same manifest under an operator that pins modules: listed, it passes; not listed, refused.
+    assert plan(manifest, limits=Limits(task_modules=("calculator_agent",))).objects
+    with pytest.raises(PlanError) as info:
+        plan(copy.deepcopy(manifest), limits=Limits(task_modules=("acme.agents",)))
+    assert [e.path for e in info.value.errors] == ["spec.trainerConfig.agent"]
+
+
+@pytest.mark.parametrize("name", ["trainer-agent.yaml", "trainer-gsm8k.yaml"])
+def test_the_trainer_configs_parse_and_their_rows_exist(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the configs' dataset paths are relative to the repository root
+    config, _ = load(ROOT / "examples" / name, env={})
+    t = config.trainer
+    assert config.model.path == "builtin:smollm2-135m" and t.reward == "builtin:math"
+    assert t.dataset is not None and t.eval is not None
+    assert (t.agent == "calculator_agent:run") is (name == "trainer-agent.yaml")
+    for settings in (t.dataset, t.eval.dataset):
+        rows = [json.loads(line) for line in Path(settings.path).read_text().splitlines()]
+        assert rows and all(isinstance(r[settings.prompt_field], str) for r in rows)
+        assert all(r[settings.answer_field].rpartition("#### ")[2].isdigit() for r in rows)
+
+
+def test_the_example_rows_answers_are_right(calc: ModuleType) -> None:
+    """Each row's worked answer computes its '#### N' (the rows are written by a script, checked here)."""
+    for file in ("word-problems.jsonl", "word-problems-eval.jsonl"):
+        for line in (AGENTS / file).read_text().splitlines():
+            work, _, answer = json.loads(line)["answer"].partition("\n#### ")
+            last = work.split(", ")[-1]
+            expression, _, claimed = last.partition(" = ")
+            assert calc.calculate(expression) == int(claimed) == int(answer), line
