@@ -29,6 +29,9 @@ from treetrain.rl.rollout import Generation, SamplingParams
 
 DEFAULT_LIMITS = ProxyLimits()
 MAX_CHOICES = 8
+# A refused body (too large) is discarded, not kept, up to this much (then the connection closes).
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
+DRAIN_TIMEOUT_S = 5.0
 MAX_STOPS = 4
 # Local rollout divides the logits by the temperature: 0 would give NaN probabilities. Greedy
 # decoding is the limit of a tiny temperature (the top token gets all the mass), and vLLM treats
@@ -219,7 +222,7 @@ class ProxyServer:
                 reply = _plain(self._text(tokens), finish)
             if cut is not None:
                 reply = _cut(reply, opts.stop)
-            message = _message(reply)
+            message = reply.message()
             completion_id = cid if len(gens) == 1 else f"{cid}-{i}"
             choices.append({"index": i, "message": message, "finish_reason": reply.finish_reason, "logprobs": None})
             turns.append(
@@ -438,15 +441,6 @@ def _plain(text: str, finish: str) -> Reply:
     return Reply(content=text, tool_calls=[], reasoning=None, finish_reason="length" if finish == "length" else "stop")
 
 
-def _message(reply: Reply) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-    if reply.reasoning:
-        message["reasoning_content"] = reply.reasoning
-    return message
-
-
 def _record(completion_id: str, prompt: list[int], gen: Generation, kept: int, text: str) -> SampleRecord:
     n = len(prompt)
     versions = list(gen.versions[:kept]) if len(gen.versions) >= kept else [-1] * kept
@@ -558,6 +552,7 @@ def _handler_for(proxy: ProxyServer) -> type[BaseHTTPRequestHandler]:
                 if isinstance(body, _Response):
                     self.close_connection = True  # the unread body must not be parsed as a request
                     self._send(body)
+                    self._drain()
                     return
                 self._send(proxy.handle(method, self.path, self.headers, body))
             except (BrokenPipeError, ConnectionResetError, TimeoutError):
@@ -587,6 +582,15 @@ def _handler_for(proxy: ProxyServer) -> type[BaseHTTPRequestHandler]:
                     Refused(413, f"the body has {n} bytes, the limit is {proxy.limits.max_body_bytes} (max_body_bytes)")
                 )
             return self.rfile.read(n)
+
+        def _drain(self) -> None:
+            """Discard what the client still sends (bounded) before closing: closing with unread data
+            resets the connection, and the client, still sending its body, would never read the answer."""
+            with contextlib.suppress(OSError, ValueError):
+                left = min(int(self.headers.get("Content-Length") or 0), DRAIN_LIMIT_BYTES)
+                self.connection.settimeout(DRAIN_TIMEOUT_S)
+                while left > 0 and (chunk := self.rfile.read1(min(left, 1 << 16))):
+                    left -= len(chunk)
 
         def _send(self, res: _Response) -> None:
             is_sse = isinstance(res.body, str)
