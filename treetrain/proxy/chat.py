@@ -20,6 +20,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # End-of-turn tokens of the model families the engines serve; the sampler stops on those in the vocabulary.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 _SENTINEL = "\u2063treetrain-sentinel\u2063"
+# Enough sampled tokens to hold an end-of-turn marker even when it tokenizes as plain text.
+_TAIL_TOKENS = 32
 
 
 class ChatError(ValueError):
@@ -255,8 +257,12 @@ class ChatRenderer:
             raise ChatError(f"messages: the model's chat template cannot render them ({err})") from None
 
     def _closing(self, tokens: Sequence[int]) -> str:
-        """The end-of-turn text less the stop token the sample already ends with."""
+        """The end-of-turn text less what the sample already ends with: the sampler keeps the stop token, and a
+        marker that is no single token here (a foreign template) may have been sampled as text."""
         end = self._end_of_turn
+        marker = end.rstrip()
+        if marker and self.tokenizer.decode(list(tokens[-_TAIL_TOKENS:]), skip_special_tokens=False).endswith(marker):
+            return end[len(marker) :]
         if tokens and tokens[-1] in self.stop_token_ids:
             last = self.tokenizer.decode([tokens[-1]], skip_special_tokens=False)
             if last and end.startswith(last):
