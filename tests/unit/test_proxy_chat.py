@@ -161,6 +161,23 @@ def test_qwen3_chains_through_tool_results_and_counts_a_new_question_as_template
     assert "I should look it up." not in tokenizer.decode(prompt.tokens)  # the template dropped it
 
 
+def test_qwen3_chains_a_reply_sampled_without_thinking(smollm2: Any) -> None:
+    """Rendered last, a Qwen3 reply gets an empty <think> block that the same reply inside a longer conversation
+    does not: the template check fails, but the recorded ids are still an exact prefix of the fresh render."""
+    tokenizer = tokenizer_for(smollm2, "qwen3")
+    renderer = ChatRenderer(tokenizer)
+    session = Session(renderer, tokenizer, "qwen3")
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    _, reply, _ = session.complete(messages, call_text("qwen3", "Paris"))
+    assert reply.reasoning is None
+    messages += [sdk_echo(reply), {"role": "tool", "tool_call_id": reply.tool_calls[0]["id"], "content": "clear"}]
+    previous = session.history[-1]
+    prompt, _, _ = session.complete(messages, "Clear.")
+    assert (prompt.parent, prompt.fresh_reason) == (0, None)
+    assert prompt.tokens[: len(previous.tokens)] == list(previous.tokens)
+    assert tokenizer.decode(prompt.tokens, skip_special_tokens=False) == fresh_text(renderer, messages)
+
+
 @pytest.mark.parametrize("name", ["smollm2", "qwen2.5", "qwen3", "llama3.1"])
 def test_an_edited_reply_is_a_fresh_render_counted_as_edited(smollm2: Any, name: str) -> None:
     tokenizer = tokenizer_for(smollm2, name)

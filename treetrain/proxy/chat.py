@@ -277,9 +277,15 @@ class ChatRenderer:
             after = self._render((*head, *messages[len(head) :]), tools, generation=True)
         except _TemplateRefused:
             return None
-        if not after.startswith(before) or not self._end_of_turn or not before.endswith(self._end_of_turn):
-            return None
-        return [*turn.tokens, *self._encode(self._closing(turn.tokens) + after[len(before) :])]
+        if after.startswith(before) and self._end_of_turn and before.endswith(self._end_of_turn):
+            return [*turn.tokens, *self._encode(self._closing(turn.tokens) + after[len(before) :])]
+        # The reply rendered as the last message differs from the reply inside a longer conversation (Qwen3 writes
+        # an empty <think> block only for the last one). Still exact when the whole conversation rendered fresh
+        # starts with the text of the recorded ids: then only the rest is new.
+        recorded = self.tokenizer.decode(list(turn.tokens), skip_special_tokens=False)
+        if after.startswith(recorded):
+            return [*turn.tokens, *self._encode(after[len(recorded) :])]
+        return None
 
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None, history: Sequence[Turn]) -> Prompt:
         """Prompt tokens for ``messages`` (normalized), extending the latest turn they continue."""
