@@ -265,3 +265,27 @@ def test_the_example_rows_answers_are_right(calc: ModuleType) -> None:
             last = work.split(", ")[-1]
             expression, _, claimed = last.partition(" = ")
             assert calc.calculate(expression) == int(claimed) == int(answer), line
+
+
+def test_the_sdk_session_in_docs_agents_runs_as_written() -> None:
+    """docs/agents.md's openai SDK example, against the in-process proxy (its address swapped in)."""
+    from treetrain.engines.builtin import load_tokenizer
+    from treetrain.proxy.chat import ChatRenderer
+    from treetrain.proxy.server import ProxyServer
+
+    doc = (ROOT / "docs" / "agents.md").read_text()
+    code = doc.split("The same with the openai SDK", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base = "http://127.0.0.1:8000"' in code
+    renderer = ChatRenderer(load_tokenizer("builtin:smollm2-135m"))
+    generate = ScriptedGenerate(renderer, ["7 * 6 = 42.", "84."])
+    server = ProxyServer(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m")
+    server.start("127.0.0.1", 0)
+    try:
+        scope: dict[str, Any] = {}
+        exec(compile(code.replace("http://127.0.0.1:8000", server.url), "docs/agents.md", "exec"), scope)
+        stats = server.stats.snapshot()
+    finally:
+        server.close()
+    samples = scope["samples"]
+    assert len(samples) == 2 and stats["fresh_renders"] == {"edited": 0, "template": 0}
+    assert server.store.session_reward(scope["session"]["id"]) == 1.0
