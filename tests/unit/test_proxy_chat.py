@@ -240,7 +240,9 @@ def test_the_latest_matching_turn_is_extended(smollm2: Any) -> None:
 
 
 def test_stop_tokens_and_fresh_render(smollm2: Any) -> None:
-    assert ChatRenderer(tokenizer_for(smollm2, "smollm2")).stop_token_ids == (smollm2.eos_token_id,)
+    stops = ChatRenderer(tokenizer_for(smollm2, "smollm2")).stop_token_ids
+    assert stops[0] == smollm2.eos_token_id == smollm2.convert_tokens_to_ids("<|im_end|>")
+    assert set(stops) == {smollm2.eos_token_id, smollm2.convert_tokens_to_ids("<|endoftext|>")}
     llama = tokenizer_for(smollm2, "llama3.1")
     renderer = ChatRenderer(llama)
     assert llama.convert_tokens_to_ids("<|eot_id|>") in renderer.stop_token_ids

@@ -18,7 +18,17 @@ from treetrain.proxy.tools import ParsedReply, from_parsed_message, parse_reply
 FRESH_REASONS = ("edited", "template")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # End-of-turn tokens of the model families the engines serve; the sampler stops on those in the vocabulary.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
+# (Their generation configs stop on the end-of-text token as well: Qwen2.5 on <|endoftext|>, Llama 3.1 on
+# <|end_of_text|>.)
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+)
 _SENTINEL = "\u2063treetrain-sentinel\u2063"
 # Enough sampled tokens to hold an end-of-turn marker even when it tokenizes as plain text.
 _TAIL_TOKENS = 32
@@ -208,7 +218,9 @@ class ChatRenderer:
 
     # -- template access
 
-    def _render(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None, *, generation: bool) -> str:
+    def _render(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool
+    ) -> str:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ChatError("messages: this model has no chat template; use /v1/completions with a text prompt")
         try:
@@ -249,7 +261,7 @@ class ChatRenderer:
 
     # -- prompts
 
-    def fresh(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+    def fresh(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """The whole conversation rendered with the generation prompt."""
         try:
             return self._encode(self._render(messages, tools, generation=True))
@@ -269,7 +281,9 @@ class ChatRenderer:
                 return end[len(last) :]
         return end
 
-    def _extend(self, turn: Turn, messages: Sequence[dict[str, Any]], tools: list[dict] | None) -> list[int] | None:
+    def _extend(
+        self, turn: Turn, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int] | None:
         """turn.tokens + closing + new when the template renders the longer conversation as a text suffix."""
         head = (*turn.messages, turn.reply)
         try:
@@ -287,7 +301,9 @@ class ChatRenderer:
             return [*turn.tokens, *self._encode(after[len(recorded) :])]
         return None
 
-    def prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None, history: Sequence[Turn]) -> Prompt:
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, history: Sequence[Turn]
+    ) -> Prompt:
         """Prompt tokens for ``messages`` (normalized), extending the latest turn they continue."""
         normalized = normalize_messages(list(messages))  # idempotent: normalized input stays as it is
         for index in range(len(history) - 1, -1, -1):

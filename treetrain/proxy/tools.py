@@ -50,7 +50,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return None, text
 
 
-def tool_call(name: str, arguments: Any) -> dict[str, Any] | None:
+def tool_call(name: Any, arguments: Any) -> dict[str, Any] | None:
     """The OpenAI shape of one call; None when name/arguments are not what a call needs."""
     if not isinstance(name, str) or not name:
         return None
