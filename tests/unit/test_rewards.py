@@ -107,7 +107,7 @@ def test_a_reward_that_cannot_load_is_one_line(spec: str, args: dict[str, Any], 
     assert "\n" not in str(info.value)
 
 
-USER_MODULE = '''
+USER_MODULE = """
 import threading
 RELEASE = threading.Event()
 CALLS = []
@@ -130,7 +130,7 @@ def weird(completion, row):
     return {"nan": float("nan"), "text": "yes", "inf": math.inf}[completion]
 
 import math
-'''
+"""
 
 
 @pytest.fixture

@@ -199,7 +199,15 @@ def play_episodes(
         spent[i] += took
         return result
 
-    episodes = [call(i, "episode()", task.episode, seed_of(t.seed, step, g)) for i, g in enumerate(groups)]
+    # A dataset task picks its row by (step, group); any other task plays episode(seed). Looked up on the
+    # class: a user task behind CheckedTask keeps its checked episode().
+    by_row = callable(getattr(type(task), "episode_at", None))
+    episodes = [
+        call(i, "episode_at()", task.episode_at, step, g, seed_of(t.seed, step, g))  # type: ignore[attr-defined]
+        if by_row
+        else call(i, "episode()", task.episode, seed_of(t.seed, step, g))
+        for i, g in enumerate(groups)
+    ]
     history = [list(call(i, "prompt()", ep.prompt)) for i, ep in enumerate(episodes)]
     for i, prompt in enumerate(history):
         if len(prompt) + params.max_new_tokens > t.max_episode_tokens:

@@ -1,0 +1,328 @@
+"""Dataset runs: rows of prompts and answers read from local files, the order each step's groups
+take them in (:class:`DataCursor`, resumable from a checkpoint's ``data.json``), and the task a
+dataset run without an agent trains (:class:`DatasetTask`: one prompt, one reply, its reward).
+
+Files are read with Hugging Face ``datasets`` (JSONL, JSON, Parquet, CSV, or a ``save_to_disk``
+directory), offline: a pod must not reach for the hub in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from treetrain.config.schema import DatasetSettings, TrainerSettings
+from treetrain.rl.rewards import RewardRunner
+from treetrain.rl.task import TaskError
+
+Rows = Sequence[dict[str, Any]]
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+SINGLE_SPLIT = "train"  # the split name of one file, or of a saved Dataset (not a DatasetDict)
+ROLES = ("system", "user", "assistant")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Replacement groups of a step (ids groupsPerStep and up) take rows from their own stream, this
+# many times groupsPerStep per step (collect.EXTRA_GROUPS_FACTOR: the most a step plays).
+REPLACEMENT_FACTOR = 4
+STATE_VERSION = 1
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be read or used; the message says what to change."""
+
+
+# -- reading rows ---------------------------------------------------------------------------
+
+
+def load_rows(settings: DatasetSettings, *, cache_dir: str | None = None) -> Rows:
+    """The rows of ``settings.split``, checked to have the prompt and answer columns.
+    ``cache_dir``: where ``datasets`` keeps its Arrow copy of a file, memory-mapped; None: the
+    rows of a file are held in memory and no copy is kept (a save_to_disk directory is mapped)."""
+    path = Path(settings.path).expanduser()
+    if not path.exists():
+        if _HUB_ID.match(settings.path) and path.suffix not in FORMATS:
+            raise DatasetError(
+                f"trainer.dataset.path {settings.path!r} is not a local file or directory, and treetrain reads local "
+                "datasets only: download it first (e.g. `datasets.load_dataset(...).save_to_disk(DIR)`) and set "
+                "trainer.dataset.path to DIR"
+            )
+        raise DatasetError(f"trainer.dataset.path {settings.path!r}: no such file or directory")
+    with _offline():
+        rows: Rows = _read(path, settings.split, cache_dir)
+    columns = list(getattr(rows, "column_names", None) or [])
+    missing = [f for f in (settings.prompt_field, settings.answer_field) if f not in columns]
+    if missing:
+        raise DatasetError(
+            f"trainer.dataset {settings.path}: no column {', '.join(map(repr, missing))}; its columns are "
+            f"{', '.join(columns) or 'none'}: set trainer.dataset.promptField / answerField"
+        )
+    if len(rows) == 0:
+        raise DatasetError(f"trainer.dataset {settings.path} (split {settings.split}) has no rows")
+    return rows
+
+
+def _read(path: Path, split: str, cache_dir: str | None) -> Any:
+    import datasets
+
+    if path.is_dir():
+        if not any((path / name).exists() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
+            raise DatasetError(
+                f"trainer.dataset.path {path} is a directory that datasets' save_to_disk did not write; point it at "
+                f"a {', '.join(FORMATS)} file or such a directory"
+            )
+        try:
+            found = datasets.load_from_disk(str(path))
+        except Exception as err:  # a damaged directory: one line, not a traceback
+            raise DatasetError(f"trainer.dataset.path {path}: cannot read it: {type(err).__name__}: {err}") from None
+        if isinstance(found, datasets.DatasetDict):
+            if split not in found:
+                raise DatasetError(f"trainer.dataset.split {split!r} is not in {path}; its splits: {', '.join(found)}")
+            return found[split]
+        _single_split(path, split)
+        return found
+    builder = FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise DatasetError(
+            f"trainer.dataset.path {path}: unknown format {path.suffix or '(no suffix)'}; use one of "
+            f"{', '.join(FORMATS)} or a save_to_disk directory"
+        )
+    _single_split(path, split)
+    try:
+        if cache_dir is not None:
+            return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=cache_dir)
+        # No cache to keep (a pod's home may be read-only): the rows in memory, the Arrow copy deleted.
+        with tempfile.TemporaryDirectory(prefix="treetrain-data-") as tmp:
+            return datasets.load_dataset(
+                builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=tmp, keep_in_memory=True
+            )
+    except Exception as err:  # malformed JSON, CSV, Parquet
+        message = " ".join(str(err).split())[:300]
+        raise DatasetError(f"trainer.dataset.path {path}: cannot read it as {builder}: {message}") from None
+
+
+def _single_split(path: Path, split: str) -> None:
+    if split != SINGLE_SPLIT:
+        raise DatasetError(
+            f"trainer.dataset.split {split!r} is not in {path}, which holds one split: {SINGLE_SPLIT}; set split: "
+            f"{SINGLE_SPLIT} (or save a DatasetDict with save_to_disk)"
+        )
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """datasets and the hub client offline for the call (the config module caches the flag)."""
+    import datasets
+
+    saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    flag = datasets.config.HF_HUB_OFFLINE
+    os.environ.update(dict.fromkeys(saved, "1"))
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = flag
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def prompt_messages(row: dict[str, Any], settings: DatasetSettings) -> list[dict[str, Any]]:
+    """The chat messages of a row's prompt: a string is one user message; a list of
+    ``{"role", "content"}`` messages is taken as it is."""
+    prompt = row.get(settings.prompt_field)
+    where = f"trainer.dataset.promptField {settings.prompt_field!r}"
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise DatasetError(f"{where}: a prompt must be a string or a list of messages, got {_kind(prompt)}")
+    for i, message in enumerate(prompt):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise DatasetError(
+                f"{where}: message {i} must be {{role: {'|'.join(ROLES)}, content: string}}, got {str(message)[:80]}"
+            )
+    return [dict(m) for m in prompt]
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an empty list"
+    return "nothing" if value is None else type(value).__name__
+
+
+# -- which row each group trains --------------------------------------------------------------
+
+
+class DataCursor:
+    """Rows by (step, group): the groups of the steps from ``base_step`` on take consecutive
+    *slots* from ``base_row`` on, group ``g`` of step ``s`` slot ``base_row + (s - base_step)
+    * groupsPerStep + g``. Slots come in epochs of ``n_rows``; with ``shuffle`` each epoch is its
+    own permutation, seeded by (seed, epoch), so no row trains twice within an epoch.
+
+    Replacement groups (ids ``groupsPerStep`` and up: dynamic sampling's extra groups, the
+    asynchronous controller's replacements of dropped groups) take rows from a second stream of
+    permutations, ``REPLACEMENT_FACTOR * groupsPerStep`` slots per step: they never shift the
+    next step's rows, but a replacement may reuse a row of another step."""
+
+    def __init__(
+        self, n_rows: int, groups_per_step: int, *, shuffle: bool, seed: int, base_step: int = 0, base_row: int = 0
+    ) -> None:
+        if n_rows < 1 or groups_per_step < 1 or base_step < 0 or base_row < 0:
+            raise ValueError(f"DataCursor({n_rows}, {groups_per_step}, base {base_step}/{base_row}): out of range")
+        self.n_rows, self.groups_per_step = n_rows, groups_per_step
+        self.shuffle, self.seed = shuffle, seed
+        self.base_step, self.base_row = base_step, base_row
+        self.note: str | None = None  # from_state: what changed since the checkpoint
+        self._perms: dict[tuple[str, int], list[int]] = {}
+
+    def slot(self, step: int, group: int) -> int:
+        """The slot of a first group (``group < groupsPerStep``) of ``step``."""
+        if step < self.base_step:
+            raise ValueError(f"step {step} is before this cursor's first step {self.base_step}")
+        return self.base_row + (step - self.base_step) * self.groups_per_step + group
+
+    def row_index(self, step: int, group: int) -> int:
+        if group < 0:
+            raise ValueError(f"group {group} < 0")
+        if group < self.groups_per_step:
+            return self._row("main", self.slot(step, group))
+        extra = REPLACEMENT_FACTOR * self.groups_per_step
+        return self._row("replacement", step * extra + (group - self.groups_per_step))
+
+    def _row(self, stream: str, slot: int) -> int:
+        epoch, pos = divmod(slot, self.n_rows)
+        if not self.shuffle and stream == "main":
+            return pos
+        key = (stream, epoch)
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = list(range(self.n_rows))
+            random.Random(f"treetrain-data:{stream}:{self.seed}:{epoch}").shuffle(perm)
+            if len(self._perms) >= 4:  # a step spans at most two epochs of a stream
+                self._perms.pop(next(iter(self._perms)))
+            self._perms[key] = perm
+        return perm[pos]
+
+    def state(self, next_step: int) -> dict[str, Any]:
+        """What resumes the order at ``next_step`` (saved as ``data.json`` in a checkpoint)."""
+        return {
+            "version": STATE_VERSION,
+            "next_step": next_step,
+            "next_row": self.slot(next_step, 0),
+            "rows": self.n_rows,
+            "groups_per_step": self.groups_per_step,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_state(
+        cls, state: dict[str, Any], n_rows: int, groups_per_step: int, *, shuffle: bool, seed: int
+    ) -> DataCursor:
+        """Continue with the rows after the checkpoint's, whatever groupsPerStep is now; ``note``
+        says what changed (the row count, the order) since the checkpoint was written."""
+        ok = isinstance(state, dict) and state.get("version") == STATE_VERSION
+        step, row = (state.get("next_step"), state.get("next_row")) if ok else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (step, row)):
+            raise DatasetError(
+                f"checkpoint data.json is not a version-{STATE_VERSION} data cursor (got {str(state)[:120]}); "
+                "fix: remove it to start the data order over"
+            )
+        assert isinstance(step, int) and isinstance(row, int)
+        cursor = cls(n_rows, groups_per_step, shuffle=shuffle, seed=seed, base_step=step, base_row=row)
+        changes = []
+        if state.get("rows") != n_rows:
+            changes.append(f"the dataset had {state.get('rows')} rows and has {n_rows}, so rows may repeat early")
+        if state.get("shuffle") != shuffle or state.get("seed") != seed:
+            changes.append("trainer.dataset.shuffle or seed changed, so the order is a new one")
+        cursor.note = "; ".join(changes) or None
+        return cursor
+
+
+# -- the dataset task -------------------------------------------------------------------------
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokenizer's eos and the end-of-turn tokens it has (what a reply stops on)."""
+    vocab = tokenizer.get_vocab()
+    found = [tokenizer.eos_token_id] + [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+    return tuple(dict.fromkeys(t for t in found if isinstance(t, int)))
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template of ``messages`` with the generation prompt, in token ids. Rendered to
+    text, then encoded without special tokens: the template writes BOS itself when it has one,
+    so encoding must not add a second."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+@dataclass
+class DatasetEpisode:
+    """One row: its prompt, one reply, the reply's reward; then over."""
+
+    task: DatasetTask
+    row: dict[str, Any]
+    where: str
+    tokens: list[int]
+
+    def prompt(self) -> list[int]:
+        return list(self.tokens)
+
+    def respond(self, response: list[int]) -> tuple[list[int] | None, float]:
+        text: str = self.task.tokenizer.decode(response, skip_special_tokens=True)
+        return None, self.task.reward_runner.score(text, self.row, where=self.where)
+
+
+class DatasetTask:
+    """A :class:`treetrain.rl.task.Task` for ``trainer.dataset`` without an agent: group ``g``
+    of step ``s`` answers row ``cursor.row_index(s, g)`` (its episodes share the row, GRPO)."""
+
+    def __init__(
+        self,
+        rows: Rows,
+        settings: TrainerSettings,
+        tokenizer: Any,
+        reward_runner: RewardRunner,
+        cursor: DataCursor,
+    ) -> None:
+        if settings.dataset is None:
+            raise DatasetError("DatasetTask needs trainer.dataset")
+        self.rows, self.dataset, self.tokenizer = rows, settings.dataset, tokenizer
+        self.reward_runner, self.cursor = reward_runner, cursor
+        self.vocab_size: int = len(tokenizer)
+        self.max_new_tokens: int = settings.max_new_tokens
+        self.stop_token_ids: tuple[int, ...] = stop_token_ids(tokenizer)
+        self._prompts: dict[int, list[int]] = {}  # row -> tokens: a group's episodes render it once
+
+    def episode(self, seed: int) -> DatasetEpisode:
+        raise TaskError("a dataset task picks its row by step and group: call episode_at(step, group, seed)")
+
+    def episode_at(self, step: int, group: int, seed: int) -> DatasetEpisode:
+        index = self.cursor.row_index(step, group)
+        row = dict(self.rows[index])
+        tokens = self._prompts.get(index)
+        if tokens is None:
+            tokens = render_prompt(self.tokenizer, prompt_messages(row, self.dataset))
+            if len(self._prompts) >= 1024:
+                self._prompts.clear()
+            self._prompts[index] = tokens
+        return DatasetEpisode(self, row, f"step {step + 1} group {group} row {index}", tokens)
