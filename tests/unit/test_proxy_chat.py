@@ -351,6 +351,13 @@ def test_the_tokenizers_own_response_parser_is_used_when_it_has_one(smollm2: Any
     assert reply.tool_calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     broken = '<tool_call>{"name": "f", "arguments": {"x": 1}</tool_call>'  # its parser raises: ours keeps the text
     assert renderer.reply(sample(tokenizer, broken, "smollm2"), "stop").content == broken
+    # A template whose generation prompt opens the thinking block (Qwen3 thinking models): the parser gets that
+    # prompt as context, so the reply's first part is read as reasoning.
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>'"
+    )
+    reply = ChatRenderer(tokenizer).reply(sample(tokenizer, "hmm</think>The answer.", "smollm2"), "stop")
+    assert (reply.reasoning, reply.content) == ("hmm", "The answer.")
 
 
 # ---------------------------------------------------------------- normalize_messages
@@ -372,6 +379,26 @@ def test_the_sdk_echo_of_a_reply_normalizes_to_the_reply() -> None:
     empty = normalize_messages([{"role": "assistant", "content": ""}, {"role": "assistant", "tool_calls": []}])
     assert empty == ({"role": "assistant", "content": None},) * 2
     assert normalize_messages(list(normalize_messages([dumped]))) == ours  # idempotent
+
+
+def test_the_agents_sdk_reconstruction_of_a_reply_matches_it(smollm2: Any) -> None:
+    """The OpenAI Agents SDK turns a reply into output items and back into a message (dropping the reasoning)."""
+    from agents.models.chatcmpl_converter import Converter
+    from openai.types.chat import ChatCompletionMessage
+
+    renderer = ChatRenderer(smollm2)
+    for text in [
+        "<think>Hm.</think>Let me see." + call_text("qwen2.5", "Oslo"),
+        "Plain words.",
+        call_text("x", "Rome"),
+    ]:
+        reply = renderer.reply(sample(smollm2, text, "smollm2"), "stop")
+        items = Converter.message_to_output_items(ChatCompletionMessage.model_validate(reply.message()))
+        (rebuilt,) = Converter.items_to_messages([item.model_dump(exclude_unset=True) for item in items])
+        ours = normalize_messages([reply.message()])[0]
+        history = [Turn(normalize_messages([{"role": "user", "content": "Go."}]), ours, (1, 2, 3))]
+        follow = [{"role": "user", "content": "Go."}, dict(rebuilt), {"role": "user", "content": "More."}]
+        assert renderer.prompt(follow, None, history).parent == 0, text
 
 
 @pytest.mark.parametrize(

@@ -214,6 +214,7 @@ class ChatRenderer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._end_of_turn = self._find_end_of_turn()
+        self._generation_prompt = self._find_generation_prompt()
         self.stop_token_ids: tuple[int, ...] = self._find_stop_ids()
 
     # -- template access
@@ -246,6 +247,17 @@ class ChatRenderer:
             return ""
         _, found, after = text.rpartition(_SENTINEL)
         return after if found else ""
+
+    def _find_generation_prompt(self) -> str:
+        """What the template writes to open the reply (e.g. "<|im_start|>assistant\\n<think>\\n"): the context a
+        response parser needs to read a reply that starts inside a block the prompt opened."""
+        probe = ({"role": "user", "content": _SENTINEL},)
+        try:
+            without = self._render(probe, None, generation=False)
+            with_prompt = self._render(probe, None, generation=True)
+        except (ChatError, _TemplateRefused):
+            return ""
+        return with_prompt[len(without) :] if with_prompt.startswith(without) else ""
 
     def _find_stop_ids(self) -> tuple[int, ...]:
         ids: list[int] = []
@@ -330,7 +342,7 @@ class ChatRenderer:
         """The tokenizer's own response parser when it defines one (transformers ``response_template``), else ours."""
         if getattr(self.tokenizer, "response_template", None) is not None and hasattr(self.tokenizer, "parse_response"):
             try:
-                parsed = from_parsed_message(self.tokenizer.parse_response(text, prefix=""))
+                parsed = from_parsed_message(self.tokenizer.parse_response(text, prefix=self._generation_prompt))
             except Exception:  # a parser failing on model output must not fail the request
                 parsed = None
             if parsed is not None:
