@@ -239,6 +239,28 @@ def test_the_latest_matching_turn_is_extended(smollm2: Any) -> None:
     assert prompt.parent == 2
 
 
+def test_concurrent_sessions_render_as_a_serial_run(smollm2: Any) -> None:
+    """The server renders from many threads with one renderer (one tokenizer)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = tokenizer_for(smollm2, "qwen2.5")
+    renderer = ChatRenderer(tokenizer)
+
+    def conversation(i: int) -> list[list[int]]:
+        session = Session(renderer, tokenizer, "qwen2.5")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"Question {i}?"}]
+        prompts = []
+        for turn in range(4):
+            prompt, reply, _ = session.complete(messages, f"Answer {i}.{turn} " * (turn + 1))
+            prompts.append(prompt.tokens)
+            messages += [sdk_echo(reply), {"role": "user", "content": f"More {turn}?"}]
+        return prompts
+
+    serial = [conversation(i) for i in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        assert list(pool.map(conversation, range(8))) == serial
+
+
 def test_stop_tokens_and_fresh_render(smollm2: Any) -> None:
     stops = ChatRenderer(tokenizer_for(smollm2, "smollm2")).stop_token_ids
     assert stops[0] == smollm2.eos_token_id == smollm2.convert_tokens_to_ids("<|im_end|>")
@@ -249,7 +271,7 @@ def test_stop_tokens_and_fresh_render(smollm2: Any) -> None:
     assert llama.convert_tokens_to_ids("<|eom_id|>") in renderer.stop_token_ids
     messages = normalize_messages([{"role": "user", "content": "Hi"}])
     text = llama.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    prompt = renderer.prompt(list(messages), None, [])
+    prompt = renderer.prompt(list(messages), [], [])  # no tools: the same as None
     assert prompt == Prompt(list(llama.encode(text, add_special_tokens=False)), None, None)
     assert prompt.tokens.count(llama.bos_token_id) == 1  # the template writes the BOS; encoding adds none
     assert renderer.render_text_prompt("Once upon a time") == list(llama.encode("Once upon a time"))

@@ -318,6 +318,7 @@ class ChatRenderer:
     ) -> Prompt:
         """Prompt tokens for ``messages`` (normalized), extending the latest turn they continue."""
         normalized = normalize_messages(list(messages))  # idempotent: normalized input stays as it is
+        tools = tools or None  # templates test "tools is not none": an empty list would still switch tool mode on
         for index in range(len(history) - 1, -1, -1):
             turn = history[index]
             n = len(turn.messages)
