@@ -231,3 +231,88 @@ def test_rljob_plan_and_treetrain_train_refuse_a_mistake_in_the_same_words(
     assert planned[0] == f"{rljob_path(path)}: {message}".replace(
         "did you mean trainer.", "did you mean spec.trainerConfig."
     )
+
+
+# -- datasets, rewards, agents ----------------------------------------------------------------
+
+SMOL = {"path": "builtin:smollm2-135m"}
+DATA = {"path": "examples/gsm8k/train.jsonl", "promptField": "question"}
+
+
+def test_a_dataset_run_reads_its_keys() -> None:
+    cfg = C.validate(
+        {
+            "model": SMOL,
+            "trainer": {
+                "dataset": {**DATA, "shuffle": False},
+                "reward": "builtin:regex",
+                "rewardArgs": {"pattern": r"#### (?P<answer>\d+)"},
+                "maxNewTokens": 64,
+                "eval": {"dataset": {"path": "examples/gsm8k/test.jsonl", "promptField": "question"}, "everySteps": 2},
+                "proxy": {"port": 0, "maxSessions": 8},
+            },
+        }
+    )
+    t = cfg.trainer
+    assert t.dataset is not None and t.dataset.prompt_field == "question" and t.dataset.split == "train"
+    assert t.eval is not None and t.eval.every_steps == 2 and t.eval.samples == 32
+    assert t.max_new_tokens == 64 and t.proxy.max_sessions == 8 and t.proxy.idle_timeout_seconds == 600.0
+    agent = C.validate({"model": SMOL, "trainer": {"agent": "my_pkg.agents:run", "dataset": DATA}})
+    assert agent.trainer.agent == "my_pkg.agents:run" and agent.trainer.reward is None
+
+
+@pytest.mark.parametrize(
+    ("trainer", "path", "phrase"),
+    [
+        ({"agent": "pkg.mod:run"}, "trainer.agent", "needs trainer.dataset"),
+        ({"agent": "pkg.mod", "dataset": DATA}, "trainer.agent", "must be of the form package.module:function"),
+        ({"dataset": DATA}, "trainer.reward", "a dataset run without an agent needs a reward"),
+        ({"reward": "builtin:math"}, "trainer.reward", "needs trainer.dataset"),
+        ({"dataset": DATA, "reward": "builtin:math", "task": "builtin:parity"}, "trainer.task", "remove task"),
+        ({"dataset": DATA, "reward": "builtin:math", "taskArgs": {"turns": 2}}, "trainer.taskArgs", "remove it"),
+        ({"dataset": DATA, "reward": "builtin:chess"}, "trainer.reward", "unknown built-in reward 'builtin:chess'"),
+        ({"dataset": DATA, "reward": "not-an-import"}, "trainer.reward", "package.module:function"),
+        ({"dataset": DATA, "reward": "builtin:regex"}, "trainer.rewardArgs.pattern", "needs rewardArgs.pattern"),
+        (
+            {"dataset": DATA, "reward": "builtin:regex", "rewardArgs": {"pattern": "(unclosed"}},
+            "trainer.rewardArgs.pattern",
+            "not a valid regular expression",
+        ),
+        (
+            {"dataset": DATA, "reward": "builtin:math", "rewardArgs": {"tolerance": 1}},
+            "trainer.rewardArgs.tolerance",
+            "builtin:math takes no argument 'tolerance'",
+        ),
+        ({"rewardArgs": {"pattern": "x"}}, "trainer.rewardArgs", "set without trainer.reward"),
+        ({"eval": {"dataset": DATA}}, "trainer.eval", "needs trainer.agent or trainer.reward"),
+        (
+            {"dataset": DATA, "reward": "builtin:math", "maxNewTokens": 4096, "maxEpisodeTokens": 1024},
+            "trainer.maxNewTokens",
+            "4096 is more than trainer.maxEpisodeTokens (1024)",
+        ),
+        ({"maxNewTokens": 600, "maxEpisodeTokens": 512}, "trainer.maxNewTokens", "lower maxNewTokens"),
+        ({"dataset": {"path": ""}, "reward": "builtin:math"}, "trainer.dataset.path", "at least 1 character"),
+        ({"dataset": {"promptField": "q"}, "reward": "builtin:math"}, "trainer.dataset.path", "required"),
+        ({"proxy": {"port": 70000}}, "trainer.proxy.port", "less than or equal to 65535"),
+    ],
+)
+def test_dataset_reward_and_agent_rules(trainer: dict[str, Any], path: str, phrase: str) -> None:
+    found = problems({"model": SMOL, "trainer": trainer})
+    assert path in found, found
+    assert phrase in found[path]
+
+
+def test_the_reply_length_rule_spares_task_runs() -> None:
+    # A task has its own reply length: maxNewTokens (512 by default) is not judged against a small maxEpisodeTokens.
+    assert C.validate(minimal(trainer={"maxEpisodeTokens": 24})).trainer.max_episode_tokens == 24
+
+
+def test_a_dataset_needs_a_model_with_a_tokenizer() -> None:
+    found = problems(minimal(trainer={"dataset": DATA, "reward": "builtin:exact"}))
+    assert list(found) == ["trainer.dataset"] and "needs a model with a tokenizer" in found["trainer.dataset"]
+
+
+def test_a_hub_id_passes_the_config_and_is_refused_at_load_time() -> None:
+    # The config cannot see the pod's files: only an empty path is refused here.
+    cfg = C.validate({"model": SMOL, "trainer": {"dataset": {"path": "openai/gsm8k"}, "reward": "builtin:math"}})
+    assert cfg.trainer.dataset is not None and cfg.trainer.dataset.path == "openai/gsm8k"

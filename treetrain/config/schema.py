@@ -297,7 +297,7 @@ class DatasetSettings(Section):
 
 
 class EvalSettings(Section):
-    """Periodic evaluation: the mean reward of one sampled reply per held-out row (not trained on)."""
+    """Periodic evaluation: the mean reward of one reply per held-out row (rows not trained on)."""
 
     dataset: DatasetSettings = Field(description="The evaluation rows (same keys as trainer.dataset).")
     every_steps: int = Field(
