@@ -130,11 +130,23 @@ def test_missing_columns_name_the_columns_there(files: dict[str, Path], cache: s
     assert "no column 'prompt', 'solution'" in message and "its columns are question, answer" in message
 
 
+def test_a_column_of_messages_loads_as_chat(tmp_path: Path, cache: str) -> None:
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2 + 2?", "name": "kid"}]
+    lines = [{"prompt": chat, "answer": "4"}, {"prompt": chat[1:], "answer": "4"}]
+    _write(tmp_path / "chat.jsonl", "".join(json.dumps(r) + "\n" for r in lines))
+    s = DatasetSettings(path=str(tmp_path / "chat.jsonl"))
+    rows = load_rows(s, cache_dir=cache)
+    assert prompt_messages(rows[0], s) == [{"role": "system", "content": "be brief"}, chat[1]]
+    assert prompt_messages(rows[1], s) == [chat[1]]
+
+
 def test_prompt_messages() -> None:
     s = DatasetSettings(path="x")
     assert prompt_messages({"prompt": "hi"}, s) == [{"role": "user", "content": "hi"}]
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert prompt_messages({"prompt": chat}, s) == chat
+    padded = [{"role": "user", "content": "hi", "name": None}]  # a column of messages fills unset keys
+    assert prompt_messages({"prompt": padded}, s) == [{"role": "user", "content": "hi"}]
     for bad, phrase in [(None, "got nothing"), ([], "empty list"), ([{"role": "robot", "content": "x"}], "message 0")]:
         with pytest.raises(DatasetError, match=phrase):
             prompt_messages({"prompt": bad}, s)

@@ -126,6 +126,9 @@ def hang(completion, row):
         RELEASE.wait(120)
     return 1.0
 
+async def later(completion, row):
+    return 0.25
+
 def weird(completion, row):
     return {"nan": float("nan"), "text": "yes", "inf": math.inf}[completion]
 
@@ -150,6 +153,7 @@ def test_an_import_string_gets_the_row_and_reward_args(user_module: Any) -> None
     run, _ = runner(load_reward(f"{name}:score", {"bonus": 0.5}))
     assert run.score("42", {"answer": "42"}, "t") == 1.5
     assert module.CALLS == ["42"]
+    assert runner(load_reward(f"{name}:later", {}))[0].score("x", {}, "t") == 0.25  # async def works too
     with pytest.raises(RewardError, match=f"reward module '{name}' has no callable 'missing'"):
         load_reward(f"{name}:missing", {})
 

@@ -117,17 +117,22 @@ def _single_split(path: Path, split: str) -> None:
 
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
-    """datasets and the hub client offline for the call (the config module caches the flag)."""
+    """datasets and the hub client offline for the call (the config module caches the flag), and
+    without progress bars (the trainer's log is one line a step)."""
     import datasets
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
     saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    flag = datasets.config.HF_HUB_OFFLINE
+    flag, bars = datasets.config.HF_HUB_OFFLINE, not are_progress_bars_disabled()
     os.environ.update(dict.fromkeys(saved, "1"))
     datasets.config.HF_HUB_OFFLINE = True
+    disable_progress_bars()
     try:
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE = flag
+        if bars:
+            enable_progress_bars()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -153,7 +158,8 @@ def prompt_messages(row: dict[str, Any], settings: DatasetSettings) -> list[dict
             raise DatasetError(
                 f"{where}: message {i} must be {{role: {'|'.join(ROLES)}, content: string}}, got {str(message)[:80]}"
             )
-    return [dict(m) for m in prompt]
+    # A column of messages gives every message every key seen in any of them: drop the unset ones.
+    return [{k: v for k, v in m.items() if v is not None} for m in prompt]
 
 
 def _kind(value: Any) -> str:

@@ -12,8 +12,10 @@ with a timeout, scores a failure 0 (counted, logged once), and never raises.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 import re
@@ -193,14 +195,18 @@ def _no_args(spec: str, args: dict[str, Any], takes: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ImportedReward:
-    """A user reward: ``fn(completion, row, **args)``."""
+    """A user reward: ``fn(completion, row, **args)``; an async one is run to its end on the
+    runner's thread (which has no event loop of its own)."""
 
     spec: str
     fn: Callable[..., Any]
     args: dict[str, Any]
 
     def __call__(self, completion: str, row: dict[str, Any]) -> Any:
-        return self.fn(completion, row, **self.args)
+        out = self.fn(completion, row, **self.args)
+        if inspect.iscoroutine(out):
+            return asyncio.run(out)
+        return out
 
 
 class RewardRunner:
