@@ -49,6 +49,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class Prompt:
+    """The tokens to sample from, and whether they extend a recorded turn (the trainer packs shared prefixes)."""
+
     tokens: list[int]
     parent: int | None  # index in history of the Turn this extends; None: a fresh render
     fresh_reason: str | None  # None, or one of FRESH_REASONS
@@ -56,6 +58,8 @@ class Prompt:
 
 @dataclass(frozen=True)
 class Reply:
+    """What the sampled tokens say, in the OpenAI message's terms."""
+
     content: str | None
     tool_calls: list[dict[str, Any]]  # {"id", "type": "function", "function": {"name", "arguments": str}}
     reasoning: str | None
