@@ -48,7 +48,7 @@ def jsonl(path: Path, prefix: str = "r") -> Path:
 def config(
     tmp: Path, backend: str = "fsdp:d1", checkpoint: dict[str, Any] | None = None, **trainer: Any
 ) -> C.TrainConfig:
-    """SmolLM2-135M, 2 groups x 2 runs of a two-call agent, replies of up to 12 tokens."""
+    """SmolLM2-135M, 2 groups x 2 runs of a two-call agent, replies of up to 8 tokens."""
     raw: dict[str, Any] = {
         **({"checkpoint": checkpoint} if checkpoint else {}),
         "model": {"path": "builtin:smollm2-135m", "seed": 0},
@@ -59,7 +59,7 @@ def config(
             "dataset": {"path": str(jsonl(tmp / "train.jsonl"))},
             "groupsPerStep": 2,
             "groupSize": 2,
-            "maxNewTokens": 12,
+            "maxNewTokens": 8,
             "optimizer": {"lr": 1e-5},
             "metrics": {"enabled": False},
             "proxy": {"port": 0},

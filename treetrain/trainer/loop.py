@@ -550,7 +550,7 @@ class Trainer:
         records = []
         tree = self.cfg.actor.tree_training
         self.log(
-            f"training {self.cfg.model.path} on {t.task}: {t.steps} steps, {t.groups_per_step} groups x "
+            f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, {t.groups_per_step} groups x "
             f"{t.group_size} samples, {self.cfg.actor.backend}, tree packing {'on' if tree.enabled else 'off'} "
             f"(max {tree.max_tokens_per_mb} tokens/micro-batch, attention {self.actor.attention}), "
             f"rollout {self.client.kind if self.client else 'remote'}"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from treetrain.config import TrainConfig, TrainerSettings
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.rl.agent import Agent, Job, load_agent, play_agent_group, play_agent_groups, run_agents
-from treetrain.rl.collect import Generate, Rollouts, seed_of
+from treetrain.rl.collect import Generate, Rollouts, play_episodes, seed_of
 from treetrain.rl.rollout import Generation, SamplingParams
 from treetrain.rl.task import Task, TaskError, load_task
 
@@ -113,13 +113,14 @@ class Sources:
             self.task: Any = load_task(t.task, t.task_args, get_tokenizer)
             return
         from treetrain.rl.dataset import load_rows
-        from treetrain.rl.rewards import RewardRunner, load_reward
 
         self.rows = load_rows(t.dataset)
         if not len(self.rows):
             raise TaskError(f"trainer.dataset {t.dataset.path}: no rows; fix: point it at a file with rows")
         self.eval_rows = load_rows(t.eval.dataset) if t.eval is not None else None
         if t.reward is not None:
+            from treetrain.rl.rewards import RewardRunner, load_reward
+
             fn = load_reward(t.reward, t.reward_args)
             self.reward_runner = RewardRunner(
                 fn, timeout_s=t.reward_timeout_seconds, answer_field=t.dataset.answer_field, log=log
@@ -137,6 +138,15 @@ class Sources:
         else:
             self.task = self._dataset_task()
 
+    def describe(self) -> str:
+        """What the run trains on, for the first log line."""
+        t = self.cfg.trainer
+        if t.dataset is None:
+            return t.task
+        if self.agent is not None:
+            return f"agent {t.agent} over {t.dataset.path}"
+        return f"{t.dataset.path} scored by {t.reward}"
+
     # -- the data position ------------------------------------------------------------------
     def resume(self, state: dict[str, Any] | None) -> None:
         """The data cursor, from a checkpoint's ``data.json`` (None: from the first row)."""
@@ -151,8 +161,11 @@ class Sources:
             self.cursor = DataCursor(n, gps, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
         else:
             self.cursor = DataCursor.from_state(state, n, gps, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
-        if self.agent is None and hasattr(self, "task"):
-            self.task = self._dataset_task()
+        if self.cursor.note:
+            self.log(f"data: {self.cursor.note}")
+        task = getattr(self, "task", None)
+        if task is not None and hasattr(task, "cursor"):
+            task.cursor = self.cursor  # the dataset task the trainer holds plays on from here
 
     def data_state(self, next_step: int) -> dict[str, Any] | None:
         return self.cursor.state(next_step) if self.cursor is not None else None
@@ -161,17 +174,17 @@ class Sources:
         assert self.rows is not None and self.cursor is not None
         return dict(self.rows[self.cursor.row_index(step, group)])
 
-    def _dataset_task(self) -> Task:
+    def _dataset_task(self, settings: TrainerSettings | None = None, rows: Any = None, cursor: Any = None) -> Task:
         from treetrain.rl.dataset import DatasetTask
 
-        t = self.cfg.trainer
+        if self.reward_runner is None:
+            raise TaskError("trainer.dataset without an agent needs trainer.reward (the config check says so)")
         task: Task = DatasetTask(
-            rows=self.rows,
-            settings=t.dataset,
-            cursor=self.cursor,
-            tokenizer=self.tokenizer,
-            reward=self.reward_runner,
-            max_new_tokens=t.max_new_tokens,
+            rows if rows is not None else self.rows,
+            settings or self.cfg.trainer,
+            self.tokenizer,
+            self.reward_runner,
+            cursor if cursor is not None else self.cursor,
         )
         return task
 
@@ -302,31 +315,24 @@ class Sources:
             )
             rewards = [r.reward if r.error is None else 0.0 for r in runs]
         else:
-            rewards = self._eval_dataset(rows, seeds, greedy(generate))
+            rewards = self._eval_dataset(rows, step, generate)
         return sum(rewards) / max(len(rewards), 1)
 
-    def _eval_dataset(self, rows: list[dict[str, Any]], seeds: list[int], generate: Generate) -> list[float]:
-        """One greedy reply per row, scored by trainer.reward (all rows in one generate call)."""
-        from treetrain.rl.dataset import prompt_messages
+    def _eval_dataset(self, rows: list[dict[str, Any]], step: int, generate: Generate) -> list[float]:
+        """One greedy reply per row, scored by trainer.reward: the dataset task's own episodes,
+        all rows in one generate call."""
+        from treetrain.rl.dataset import DataCursor
 
         t = self.cfg.trainer
-        assert t.eval is not None and self.reward_runner is not None
-        prompts = [
-            list(
-                self.tokenizer.apply_chat_template(
-                    prompt_messages(r, t.eval.dataset), add_generation_prompt=True, tokenize=True
-                )
-            )
-            for r in rows
-        ]
-        eos = self.tokenizer.eos_token_id
-        params = SamplingParams(max_new_tokens=t.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
-        gens = generate(prompts, params, seeds[0] if seeds else 0)
-        texts = [self.tokenizer.decode(g.tokens, skip_special_tokens=True) for g in gens]
-        return [
-            self.reward_runner.score(text, row, f"eval row {i}")
-            for i, (text, row) in enumerate(zip(texts, rows, strict=True))
-        ]
+        assert t.eval is not None
+        n = len(rows)
+        settings = t.model_copy(update={"dataset": t.eval.dataset})
+        cursor = DataCursor(n, n, shuffle=False, seed=0)  # group g of step 0 is row g
+        task = self._dataset_task(settings, rows, cursor)
+        out = play_episodes(
+            task, greedy(generate), settings, 0, list(range(n)), turn_seed=lambda turn: seed_of(t.seed, EVAL_SALT, step)
+        )
+        return out.rewards
 
     def figures(self) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
         """What the metrics export: the proxy's counters and the reward runner's failures."""
