@@ -89,7 +89,7 @@ def collect_rollouts(
     a first prompt with no room for a reply is refused.
 
     With dynamic sampling (``trainer.dynamicSampling``, on for dapo) groups whose rewards are
-    all equal are dropped and more are played until the batch is full (:func:`_fill_informative`)."""
+    all equal are dropped and more are played until the batch is full (:func:`fill_informative`)."""
     t = settings
     groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
     first = play_episodes(
@@ -97,7 +97,20 @@ def collect_rollouts(
     )
     if not objective(t).dynamic_sampling:
         return first
-    return _fill_informative(first, task, generate, t, step, clock=clock, log=log)
+
+    def play(ids: Sequence[int], rnd: int) -> Rollouts:
+        return play_episodes(
+            task,
+            generate,
+            t,
+            step,
+            [g for g in ids for _ in range(t.group_size)],
+            # Round 0 is the step's first groups, seeded as without dynamic sampling.
+            turn_seed=lambda turn: turn_seed_of(t.seed, step, turn, rnd),
+            clock=clock,
+        )
+
+    return fill_informative(first, play, t.groups_per_step, step, log=log)
 
 
 # Extra groups per step, times groupsPerStep, that dynamic sampling plays (and the asynchronous
@@ -106,36 +119,25 @@ def collect_rollouts(
 EXTRA_GROUPS_FACTOR = 4
 
 
-def _fill_informative(
+def fill_informative(
     first: Rollouts,
-    task: Task,
-    generate: Generate,
-    t: TrainerSettings,
+    play: Callable[[Sequence[int], int], Rollouts],
+    need: int,
     step: int,
     *,
-    clock: TaskClock | None,
     log: Callable[[str], None] | None,
 ) -> Rollouts:
     """Dynamic sampling: keep the groups of ``first`` whose rewards differ and play more groups
-    (ids groupsPerStep, groupsPerStep + 1, ..., each seeded as the first ones) until
-    groupsPerStep are kept or the extra groups run out; then train what there is."""
-    need = t.groups_per_step
+    (``play(ids, round)``: ids groupsPerStep (``need``), groupsPerStep + 1, ..., each seeded as
+    the first ones) until ``need`` are kept or the extra groups run out; then train what there
+    is. The task's episodes and an agent's runs share it."""
     good = informative_groups(first.rewards, first.groups)
     parts = [select_groups(first, good)]
     have, dropped = len(good), need - len(good)
     next_id, limit, rnd = need, need + EXTRA_GROUPS_FACTOR * need, 1
     while have < need and next_id < limit:
         ids = range(next_id, min(next_id + need - have, limit))
-        part = play_episodes(
-            task,
-            generate,
-            t,
-            step,
-            [g for g in ids for _ in range(t.group_size)],
-            # Round 0 is the step's first groups, seeded as without dynamic sampling.
-            turn_seed=lambda turn, rnd=rnd: turn_seed_of(t.seed, step, turn, rnd),
-            clock=clock,
-        )
+        part = play(ids, rnd)
         good = informative_groups(part.rewards, part.groups)
         parts.append(select_groups(part, good))
         have, dropped = have + len(good), dropped + len(ids) - len(good)

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from treetrain.config import TrainConfig, TrainerSettings
+from treetrain.config.algorithms import objective
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.rl.agent import Agent, Job, load_agent, play_agent_group, play_agent_groups, run_agents
-from treetrain.rl.collect import Generate, Rollouts, play_episodes, seed_of
+from treetrain.rl.collect import Generate, Rollouts, fill_informative, play_episodes, seed_of
 from treetrain.rl.rollout import Generation, SamplingParams
 from treetrain.rl.task import Task, TaskError, load_task
 
@@ -251,13 +252,22 @@ class Sources:
 
     # -- agent rollouts ---------------------------------------------------------------------
     def play_agent_step(self, step: int) -> Rollouts:
-        """Rank 0, synchronous: the step's groups, every run on one event loop."""
+        """Rank 0, synchronous: the step's groups, every run on one event loop; with dynamic
+        sampling, more groups (rows of the cursor's replacement stream) as the task path plays."""
+        t = self.cfg.trainer
+        first = self.play_agent_groups(step, range(t.groups_per_step))
+        if not objective(t).dynamic_sampling:
+            return first
+        return fill_informative(
+            first, lambda ids, rnd: self.play_agent_groups(step, ids), t.groups_per_step, step, log=self.log
+        )
+
+    def play_agent_groups(self, step: int, ids: Sequence[int]) -> Rollouts:
         assert self.agent is not None and self.server is not None
         t = self.cfg.trainer
-        rows = [(g, self.row(step, g)) for g in range(t.groups_per_step)]
         return play_agent_groups(
             self.agent,
-            rows,
+            [(g, self.row(step, g)) for g in ids],
             server=self.server,
             group_size=t.group_size,
             seed=t.seed,
