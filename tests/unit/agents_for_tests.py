@@ -3,6 +3,9 @@ clients against the trainer's proxy, several calls per run, as a user's agent wo
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.request
 from typing import Any
 
 SEEN: list[str] = []  # the row ids the agents ran, in order (the tests read and clear it)
@@ -38,3 +41,47 @@ def failing_reward(completion: str, row: dict[str, Any]) -> float:
     if str(row["id"]).endswith("2"):
         raise ValueError("cannot parse the answer")
     return 1.0 if str(row["answer"]) in completion else 0.0
+
+
+def _post(url: str, body: dict[str, Any], key: str) -> None:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as res:
+        assert res.status == 200
+
+
+async def _ask(client: Any, row: dict[str, Any]) -> Any:
+    return await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=8
+    )
+
+
+async def rewards_by_row(client: Any, row: dict[str, Any]) -> Any:
+    """What a run's reward comes from, by ``row["how"]``: returned, posted for the session, posted
+    per completion, left to trainer.reward, none at all, a wrong type, a crash, or a hang."""
+    how = row["how"]
+    if how == "hang":
+        await asyncio.sleep(3600)
+    first = await _ask(client, row)
+    second = await _ask(client, row)
+    if how == "returned":
+        return 0.25
+    if how in ("session", "completions"):
+        sid = row["session_of"](client.api_key)
+        posts = [{"reward": 0.5}] if how == "session" else [
+            {"reward": 1.0, "completion_id": first.id}, {"reward": 0.0, "completion_id": second.id}
+        ]  # fmt: skip
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")
+        for body in posts:
+            await asyncio.to_thread(_post, f"{base}/rl/sessions/{sid}/reward", body, client.api_key)
+        return None
+    if how == "wrong":
+        return "high"
+    if how == "crash":
+        raise KeyError("tool")
+    return None  # "reward" and "none"
+
+
+async def one_argument(client: Any) -> float:
+    """Not an agent: it takes no row."""
+    return 0.0

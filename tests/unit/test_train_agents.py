@@ -174,3 +174,85 @@ def test_a_failing_agent_and_a_failing_reward_are_counted_and_the_run_goes_on(tm
     crashed = [line for line in lines if "raised RuntimeError: tool crashed on r1" in line]
     assert len(crashed) == 2 and all(line.startswith("agent: step 1, group 1, run ") for line in crashed)
     assert len([line for line in lines if line.startswith("reward error at ")]) == 2
+
+
+# -- the agent runner, against the real proxy with a scripted model (fast) ------------------
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Any:
+    from treetrain.engines.builtin import load_tokenizer
+    from treetrain.proxy.chat import ChatRenderer
+
+    return ChatRenderer(load_tokenizer("builtin:smollm2-135m"))
+
+
+def test_a_runs_reward_comes_from_the_agent_its_posts_the_reward_function_or_zero(renderer: Any, _agents: Any) -> None:
+    """Returned float; else the session reward posted; else the mean of the completions' posted
+    rewards; else trainer.reward on the last reply; else 0.0 with a line. A crash, a hang past
+    the timeout or a result that is no number leaves the run out of its group (no samples)."""
+    from proxy_helpers import Scripted, serving
+
+    from treetrain.rl.agent import Job, group_rollouts, run_agents
+
+    class Runner:  # stands in for trainer.reward: scores the last reply's text
+        def __init__(self) -> None:
+            self.texts: list[str] = []
+
+        def score(self, completion: str, row: dict[str, Any], where: str) -> float:
+            self.texts.append(completion)
+            return 0.75
+
+    hows = ["returned", "session", "completions", "reward", "wrong", "crash"]
+    lines: list[str] = []
+    runner = Runner()
+    with serving(Scripted(renderer, ["It is 4.", "Yes: 4."]), renderer) as server:
+
+        def jobs(names: list[str]) -> list[Job]:
+            row = {"prompt": "2+2?", "session_of": lambda key: server.store.authenticate(key).id}
+            return [Job(row={**row, "how": h}, seed=i, where=h) for i, h in enumerate(names)]
+
+        runs = run_agents(
+            _agents.rewards_by_row, jobs(hows), server=server, timeout_s=60.0, reward_runner=runner, log=lines.append
+        )
+        [none] = run_agents(
+            _agents.rewards_by_row, jobs(["none"]), server=server, timeout_s=60.0, reward_runner=None, log=lines.append
+        )
+        [hang] = run_agents(
+            _agents.rewards_by_row, jobs(["hang"]), server=server, timeout_s=0.5, reward_runner=None, log=lines.append
+        )
+        assert server.stats.snapshot()["sessions_open"] == 0
+    by = dict(zip(hows, runs, strict=True))
+    assert [by[h].reward for h in hows[:4]] + [none.reward] == [0.25, 0.5, 0.5, 0.75, 0.0]
+    assert runner.texts == ["Yes: 4."]  # the last completion's text
+    assert "agent: none: no reward (the agent returned None and posted none); scored 0.0" in lines
+    assert all(len(r.records) == 2 and r.error is None for r in [*runs[:4], none])
+    assert [h for h in hows if by[h].error] == ["wrong", "crash"] and hang.error is not None
+    assert not any(r.records for r in (by["wrong"], by["crash"], hang))
+    assert any(line.startswith("agent: hang: did not finish within") for line in lines)
+    assert any(line.startswith("agent: crash: raised KeyError") for line in lines)
+    assert any(line.startswith("agent: wrong: returned str") for line in lines)
+    rollouts = group_rollouts([*runs, none, hang], 3, 8)
+    assert rollouts.rewards == [0.25, 0.5, 0.5, 0.75, 0.0] and rollouts.groups == [3] * 5
+    assert len(rollouts.samples) == 10 and {s.episode for s in rollouts.samples} == set(range(5))
+    first, second = rollouts.samples[0], rollouts.samples[1]
+    assert second.tokens[: first.prompt_len] == first.tokens[: first.prompt_len]
+    assert len(first.behav_logprobs) == len(first.tokens) - first.prompt_len and first.version == 7
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_colon", "must be package.module:function"),
+        ("no_such_module_xyz:run", "cannot import agent module 'no_such_module_xyz'"),
+        ("agents_for_tests:missing", "has no 'missing'"),
+        ("agents_for_tests:failing_reward", "is not an async def"),
+        ("agents_for_tests:one_argument", "must take two arguments"),
+    ],
+)
+def test_an_agent_that_cannot_load_is_one_line_with_the_fix(spec: str, message: str) -> None:
+    from treetrain.rl.agent import AgentError, load_agent
+
+    with pytest.raises(AgentError) as err:
+        load_agent(spec)
+    assert message in str(err.value) and "\n" not in str(err.value)
