@@ -256,3 +256,62 @@ def test_an_agent_that_cannot_load_is_one_line_with_the_fix(spec: str, message: 
     with pytest.raises(AgentError) as err:
         load_agent(spec)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def _lockstep_rank(rank: int, port: int, out: Any) -> None:
+    """One rank of the lockstep test: rank 0 leads three calls from a proxy-like thread."""
+    import threading
+
+    import torch.distributed as dist
+
+    from treetrain.rl.rollout import Generation, SamplingParams
+    from treetrain.trainer.sources import Lockstep
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    calls: list[tuple[list[list[int]], int, int]] = []
+
+    def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+        calls.append((prompts, params.max_new_tokens, seed))
+        return [Generation(tokens=[rank], logprobs=[0.0]) for _ in prompts]
+
+    lockstep = Lockstep(generate, 2)
+    got: list[list[int]] = []
+    if rank == 0:
+
+        def lead() -> None:
+            for k in range(3):
+                got.append(lockstep.lead([[k, k]], SamplingParams(max_new_tokens=k + 1), 10 + k)[0].tokens)
+
+        thread = threading.Thread(target=lead)
+        thread.start()
+        thread.join()
+        lockstep.stop()
+    else:
+        lockstep.follow()
+    out.put((rank, calls, got))
+    dist.destroy_process_group()
+
+
+def test_the_lockstep_mirrors_rank_0s_generate_calls_on_the_other_ranks() -> None:
+    """Local rollout of a sharded model: every generate call rank 0's proxy makes (from its own
+    thread) runs on every rank, and the other ranks return once rank 0 stops them."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_lockstep_rank, args=(rank, port, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = {rank: (calls, got) for rank, calls, got in (out.get(timeout=120) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    want = [([[k, k]], k + 1, 10 + k) for k in range(3)]
+    assert results[0][0] == want and results[1][0] == want
+    assert results[0][1] == [[0], [0], [0]]  # rank 0 keeps its own result
+    assert all(p.exitcode == 0 for p in procs)
