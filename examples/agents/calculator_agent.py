@@ -2,27 +2,31 @@
 
 It sends a row's question with one tool, ``calculator``, runs the calls the model makes (a small
 arithmetic evaluator, never ``eval``), sends the results back and, when the model answers without
-a tool call, scores that answer against ``row["answer"]`` (GSM8K's ``#### N`` convention). The
-trainer trains on every completion the proxy recorded for the run, with the returned reward.
+a tool call, scores that answer against ``row["answer"]`` with treetrain's ``builtin:math``
+(GSM8K's ``#### N`` convention). The trainer trains on every completion the proxy recorded for
+the run, with the returned reward.
 
 Each assistant message goes back into the conversation exactly as the endpoint returned it: the
 proxy then extends the earlier prompt's tokens with the sampled ones instead of re-rendering the
 conversation (docs/agents.md, "Token in, token out").
 
-Nothing here is treetrain-specific: pointed at any OpenAI-compatible server it runs the same.
+Apart from the score, nothing here is treetrain-specific: pointed at any OpenAI-compatible
+server it runs the same.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import math
 import operator
-import re
 from collections.abc import Callable
 from typing import Any
 
 import openai
+
+from treetrain.rl.rewards import math_reward
 
 SYSTEM = (
     "Solve the problem step by step. Use the calculator tool for any arithmetic. "
@@ -54,7 +58,6 @@ _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Pow: operator.pow,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 class CalculatorError(ValueError):
@@ -117,20 +120,11 @@ def _show(value: float | int) -> str:
     return str(round(value, 10)) if isinstance(value, float) else str(value)
 
 
-def final_number(text: str) -> float | None:
-    """The number after the last ``####``, else the last number in ``text``; None when there is none."""
-    found = _NUMBER.findall(text.rpartition("####")[2])[:1] if "####" in text else _NUMBER.findall(text)[-1:]
-    return float(found[0].replace(",", "")) if found else None
-
-
 def score(reply: str | None, answer: Any) -> float:
-    """1.0 when the reply's final number equals the row's answer (a GSM8K ``... #### 72`` string or a
-    number), else 0.0."""
-    want = float(answer) if isinstance(answer, int | float) else final_number(str(answer))
-    got = final_number(reply or "")
-    if want is None or got is None:
-        return 0.0
-    return 1.0 if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-6) else 0.0
+    """1.0 when the reply's final answer (after its last ``####``, else the whole reply) equals the
+    row's as mathematics (``builtin:math``); the row's answer is a GSM8K ``... #### 72`` string or a
+    number."""
+    return math_reward(reply or "", None if answer is None else str(answer))
 
 
 def question(row: dict[str, Any]) -> str:
@@ -157,7 +151,8 @@ async def run(client: openai.AsyncOpenAI, row: dict[str, Any], *, model: str = "
         # Exactly the fields the endpoint returned (nothing filled in, nothing dropped).
         messages.append(message.model_dump(exclude_unset=True))
         if not message.tool_calls:
-            return score(message.content, row.get("answer"))
+            # Off the event loop: the other runs of the step share it.
+            return await asyncio.to_thread(score, message.content, row.get("answer"))
         for call in message.tool_calls:
             result = (
                 tool_result(call.function.arguments) if call.function.name == "calculator" else "error: no such tool"

@@ -85,7 +85,7 @@ def test_bad_tool_arguments_are_an_answer_not_a_crash(calc: ModuleType) -> None:
 
 def test_the_score_reads_gsm8k_answers(calc: ModuleType) -> None:
     assert calc.score("so 12 * 20 = 240\n#### 240", "4 * 60\n#### 240") == 1.0
-    assert calc.score("The answer is 1,240.", "#### 1240") == 1.0  # no ####: the last number
+    assert calc.score("The answer is 1,240.", "#### 1240") == 1.0  # no ####: math-verify reads the whole reply
     assert calc.score("#### 241", "#### 240") == 0.0
     assert calc.score("no number", "#### 240") == 0.0
     assert calc.score(None, 240) == 0.0
