@@ -6,6 +6,7 @@ reward is counted while the run goes on."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from treetrain.trainer.loop import Trainer, run_training
 from treetrain.trainer.sources import DATA_STATE
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 QUESTIONS = [(a, b) for a in range(1, 5) for b in range(1, 3)]  # 8 rows
 
 
@@ -45,12 +47,10 @@ def jsonl(path: Path, prefix: str = "r") -> Path:
     return path
 
 
-def config(
-    tmp: Path, backend: str = "fsdp:d1", checkpoint: dict[str, Any] | None = None, **trainer: Any
-) -> C.TrainConfig:
+def config(tmp: Path, backend: str = "fsdp:d1", top: dict[str, Any] | None = None, **trainer: Any) -> C.TrainConfig:
     """SmolLM2-135M, 2 groups x 2 runs of a two-call agent, replies of up to 8 tokens."""
     raw: dict[str, Any] = {
-        **({"checkpoint": checkpoint} if checkpoint else {}),
+        **(top or {}),
         "model": {"path": "builtin:smollm2-135m", "seed": 0},
         "actor": {"backend": backend, "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 1024}},
         "trainer": {
@@ -87,7 +87,7 @@ def test_an_agent_trains_tree_packed_evaluates_and_resumes_with_the_next_rows(tm
     ckpt = {"dir": str(tmp_path / "ckpt"), "intervalSteps": 1}
     log = tmp_path / "out.txt"
     with log.open("w") as out:
-        summary = run_training(config(tmp_path, checkpoint=ckpt, eval=evaluation), out=out)
+        summary = run_training(config(tmp_path, top={"checkpoint": ckpt}, eval=evaluation), out=out)
     assert [r.step for r in summary.records] == [1, 2]
     assert all(0 < r.tree_token_ratio < 1 and r.original_tokens > 0 for r in summary.records)
     lines = step_lines(log)
@@ -104,7 +104,9 @@ def test_an_agent_trains_tree_packed_evaluates_and_resumes_with_the_next_rows(tm
 
     _agents.SEEN.clear()
     with log.open("w") as out:
-        resumed = run_training(config(tmp_path, checkpoint=ckpt, eval=evaluation, steps=3), resume=True, out=out)
+        resumed = run_training(
+            config(tmp_path, top={"checkpoint": ckpt}, eval=evaluation, steps=3), resume=True, out=out
+        )
     assert resumed.start_step == 2 and [r.step for r in resumed.records] == [3]
     third = trained_rows(_agents.SEEN)
     cursor = DataCursor(len(QUESTIONS), 2, shuffle=True, seed=0)
@@ -145,6 +147,28 @@ def test_the_agent_trains_on_every_engine(tmp_path: Path, backend: str, _agents:
     assert [r.step for r in summary.records] == [1]
     assert 0 < summary.records[0].tree_token_ratio < 1
     assert len(trained_rows(_agents.SEEN)) == 4
+
+
+@pytest.mark.slow
+def test_agent_groups_play_ahead_with_rollout_servers(tmp_path: Path, _agents: Any) -> None:
+    """maxStaleness 1 against the rollout stand-in: the controller plays agent groups of the next
+    step while the trainer trains, through the same proxy; step 2 trains samples one step stale."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollout_standin import RolloutStandin
+
+    rollout = {"kind": "sglang", "timeoutSeconds": 60, "retries": 1, "readyTimeoutSeconds": 60, "maxStaleness": 1}
+    with RolloutStandin(token_delay_s=0.002, vocab=49152, seed=0) as server:
+        servers = {"servers": [{"url": server.url, "kind": "sglang"}], "weightSync": {"method": "disk"}}
+        top = {"checkpoint": {"dir": str(tmp_path / "ckpt"), "intervalSteps": 1000}, "rollout": servers}
+        lines: list[str] = []
+        trainer = Trainer(config(tmp_path, top=top, rollout=rollout), log=lines.append)
+        try:
+            records = trainer.run().records
+        finally:
+            trainer.close()
+    assert [r.step for r in records] == [1, 2]
+    assert [r.stats["staleness_max"] for r in records] == [0.0, 1.0]
+    assert len(trained_rows(_agents.SEEN)) == 2 * 2 * 2
 
 
 @pytest.mark.slow
