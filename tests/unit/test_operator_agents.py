@@ -158,3 +158,21 @@ def test_rljob_plan_prints_the_endpoint(tmp_path: Path, capsys: pytest.CaptureFi
     assert json.loads(capsys.readouterr().out)["openai_endpoint"] == "http://job-trainer-0.job-trainer.ml.svc:8000/v1"
     assert main(["plan", str(path)]) == 0
     assert "agent endpoint: http://job-trainer-0.job-trainer.ml.svc:8000/v1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("trainer", "path", "words"),
+    [
+        ({**AGENT, "reward": "builtin:nope"}, "spec.trainerConfig.reward", "unknown built-in reward 'builtin:nope'"),
+        ({**AGENT, "reward": "acme rewards"}, "spec.trainerConfig.reward", "package.module:function"),
+        ({**AGENT, "agent": "acme.agents"}, "spec.trainerConfig.agent", "package.module:function"),
+        ({"agent": "acme.agents:run"}, "spec.trainerConfig.agent", "needs trainer.dataset"),
+        ({"dataset": {"path": "/data/x.jsonl"}}, "spec.trainerConfig.reward", "needs a reward"),
+        ({**AGENT, "reward": "builtin:regex"}, "spec.trainerConfig.rewardArgs.pattern", "needs rewardArgs.pattern"),
+    ],
+)
+def test_the_trainer_configs_own_rules_refuse_at_admission_too(trainer: dict[str, Any], path: str, words: str) -> None:
+    """The reward name, import-string forms and which key needs which are the trainer config's
+    rules; admission says them with the RLJob field's path, before anything is created."""
+    found = problems(manifest(trainer))
+    assert words in found.get(path, ""), found
