@@ -292,10 +292,10 @@ class Trainer:
 
     def collect(self, step: int) -> Rollouts:
         self.weights.resend_if_restarted()
+        self._start_sources()  # train_step called without run(): the agent proxy now
         if self.max_staleness >= 1:
             return self._take(step)
         if self.sources.agent is not None:
-            self._start_sources()  # train_step called without run()
             return self._on_rank0(lambda: self.sources.play_agent_step(step))
         rollouts = collect_rollouts(
             self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
@@ -550,8 +550,9 @@ class Trainer:
         records = []
         tree = self.cfg.actor.tree_training
         self.log(
-            f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, {t.groups_per_step} groups x "
-            f"{t.group_size} samples, {self.cfg.actor.backend}, tree packing {'on' if tree.enabled else 'off'} "
+            f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, "
+            f"{t.groups_per_step} groups x {t.group_size} samples, {self.cfg.actor.backend}, "
+            f"tree packing {'on' if tree.enabled else 'off'} "
             f"(max {tree.max_tokens_per_mb} tokens/micro-batch, attention {self.actor.attention}), "
             f"rollout {self.client.kind if self.client else 'remote'}"
         )
