@@ -354,10 +354,11 @@ def _check_weight_sync(spec: RLJobSpec) -> list[FieldError]:
     return []
 
 
-def task_module_allowed(task: str, allowed: tuple[str, ...]) -> bool:
-    """``builtin:NAME`` always; ``pkg.mod:fn`` when ``pkg.mod`` or a package above it is listed;
-    anything when nothing is listed."""
-    if not allowed or task.startswith("builtin:"):
+def task_module_allowed(task: str, allowed: tuple[str, ...], *, builtins: bool = True) -> bool:
+    """``builtin:NAME`` always (with ``builtins``: the trainer resolves those names itself and
+    imports nothing); ``pkg.mod:fn`` when ``pkg.mod`` or a package above it is listed; anything
+    when nothing is listed."""
+    if not allowed or (builtins and task.startswith("builtin:")):
         return True
     module = task.partition(":")[0]
     return any(module == entry or module.startswith(entry + ".") for entry in allowed)
@@ -372,7 +373,9 @@ def openai_port(config: TrainConfig | None) -> int | None:
 
 # A dataset path the trainer would have to download: scheme://... (s3://, gs://, hf://, http://, file://).
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_CODE_KEYS = (("agent", "an agent"), ("reward", "a reward"))
+# (key, what, has built-ins): rewards have builtin:NAME; there are no built-in agents, so an agent
+# "builtin:run" would import a module named builtin and is checked like any other.
+_CODE_KEYS = (("agent", "an agent", False), ("reward", "a reward", True))
 _DATASET_KEYS = (("dataset",), ("eval", "dataset"))
 
 
@@ -382,9 +385,9 @@ def trainer_code_problems(trainer: dict[str, Any], allowed: tuple[str, ...]) -> 
     module the trainer imports), and dataset paths that are URLs (the trainer reads only files
     in its pod). Read from the mapping as written, so it holds even when other keys are wrong."""
     errors: list[FieldError] = []
-    for key, what in _CODE_KEYS:
+    for key, what, builtins in _CODE_KEYS:
         value = trainer.get(key)
-        if isinstance(value, str) and not value.startswith("builtin:") and not task_module_allowed(value, allowed):
+        if isinstance(value, str) and not task_module_allowed(value, allowed, builtins=builtins):
             errors.append(
                 FieldError(
                     f"spec.trainerConfig.{key}",

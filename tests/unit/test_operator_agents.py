@@ -176,3 +176,10 @@ def test_the_trainer_configs_own_rules_refuse_at_admission_too(trainer: dict[str
     rules; admission says them with the RLJob field's path, before anything is created."""
     found = problems(manifest(trainer))
     assert words in found.get(path, ""), found
+
+
+def test_an_agent_named_builtin_is_no_way_around_the_allow_list() -> None:
+    """There are no built-in agents: ``builtin:run`` imports a module named builtin from the image."""
+    found = problems(manifest({**AGENT, "agent": "builtin:run"}), ACME)
+    assert "'builtin:run' is not allowed by this operator" in found["spec.trainerConfig.agent"]
+    assert plan(manifest({**AGENT, "agent": "builtin:run"})).objects  # nothing listed: any
