@@ -4,6 +4,7 @@ demand), a server context and plain HTTP calls that the openai SDK cannot make (
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -119,4 +120,4 @@ def check_sample(sample: dict) -> None:
 
 def chained(records: list[dict]) -> bool:
     """Each sample's input_ids begin with the one before's, token for token."""
-    return all(b["input_ids"][: len(a["input_ids"])] == a["input_ids"] for a, b in zip(records, records[1:]))
+    return all(b["input_ids"][: len(a["input_ids"])] == a["input_ids"] for a, b in itertools.pairwise(records))

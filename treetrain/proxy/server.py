@@ -32,6 +32,7 @@ MAX_CHOICES = 8
 # A refused body (too large) is discarded, not kept, up to this much (then the connection closes).
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024
 DRAIN_TIMEOUT_S = 5.0
+SHUTDOWN_POLL_S = 0.05  # how soon close() stops the accept loop
 MAX_STOPS = 4
 # Local rollout divides the logits by the temperature: 0 would give NaN probabilities. Greedy
 # decoding is the limit of a tiny temperature (the top token gets all the mass), and vLLM treats
@@ -99,7 +100,9 @@ class ProxyServer:
         self._httpd = httpd
         bound = int(httpd.server_address[1])
         self.url = f"http://{host}:{bound}"
-        self._thread = threading.Thread(target=httpd.serve_forever, name="treetrain-proxy-http", daemon=True)
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="treetrain-proxy-http", daemon=True
+        )
         self._thread.start()
         return bound
 
@@ -533,6 +536,9 @@ def _handler_for(proxy: ProxyServer) -> type[BaseHTTPRequestHandler]:
         protocol_version = "HTTP/1.1"  # keep-alive: the openai SDK's httpx pool reuses connections
         server_version = "treetrain-proxy"
         timeout = 300  # an idle keep-alive connection (or a stalled upload) frees its thread
+        # Headers and body go out in two writes: with Nagle's algorithm the second waits for the
+        # client's delayed ACK (40 ms a response on Linux).
+        disable_nagle_algorithm = True
 
         def do_GET(self) -> None:
             self._serve("GET")
@@ -609,6 +615,8 @@ def _handler_for(proxy: ProxyServer) -> type[BaseHTTPRequestHandler]:
         def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
             """The stdlib's errors (a malformed request line, an unknown method) in OpenAI's shape."""
             self.close_connection = True
+            if self.request_version == "HTTP/0.9":  # an unparsable request line: answer with headers all the same
+                self.request_version = "HTTP/1.0"
             with contextlib.suppress(OSError):
                 self._send(_error(Refused(code, message or explain or f"HTTP {code}")))
 
