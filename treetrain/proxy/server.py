@@ -169,7 +169,7 @@ class ProxyServer:
             raise Refused(404, f"unknown session {session_id!r} for this key")
         return session
 
-    def _create_session(self, body: dict) -> _Response:
+    def _create_session(self, body: dict[str, Any]) -> _Response:
         seed = body.get("seed")
         if seed is not None and not _is_int(seed):
             raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
@@ -186,7 +186,7 @@ class ProxyServer:
         model = {"id": name or self.model_name, "object": "model", "created": self.created, "owned_by": "treetrain"}
         return _Response(200, model if name else {"object": "list", "data": [model]})
 
-    def _reward(self, session: Session, body: dict) -> _Response:
+    def _reward(self, session: Session, body: dict[str, Any]) -> _Response:
         value = body.get("reward")
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
             raise BadRequest(f"reward must be a finite number, got {value!r}", "reward")
@@ -203,7 +203,7 @@ class ProxyServer:
         )
 
     # -- completions ----------------------------------------------------------------------
-    def _chat(self, session: Session, body: dict) -> _Response:
+    def _chat(self, session: Session, body: dict[str, Any]) -> _Response:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of message objects", "messages")
@@ -245,7 +245,7 @@ class ProxyServer:
         }
         return _chat_stream(obj, opts.include_usage) if opts.stream else _Response(200, obj)
 
-    def _completions(self, session: Session, body: dict) -> _Response:
+    def _completions(self, session: Session, body: dict[str, Any]) -> _Response:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # one prompt in a list, as the SDK may send it
@@ -313,7 +313,7 @@ class ProxyServer:
 class _Options:
     """The sampling options of one completion request, checked."""
 
-    def __init__(self, body: dict, cap: int, default_max: int | None) -> None:
+    def __init__(self, body: dict[str, Any], cap: int, default_max: int | None) -> None:
         self.model = body.get("model")
         if self.model is not None and not isinstance(self.model, str):
             raise BadRequest("model must be a string", "model")
@@ -351,11 +351,11 @@ class _Options:
         self.include_usage = bool(so.get("include_usage", False))
 
 
-def _options(body: dict, cap: int, default_max: int | None = None) -> _Options:
+def _options(body: dict[str, Any], cap: int, default_max: int | None = None) -> _Options:
     return _Options(body, cap, default_max)
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, bool]:
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
     """(the tools, whether the template gets them and tool calls are parsed)."""
     tools = body.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
@@ -375,7 +375,7 @@ def _stops(stop: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -388,7 +388,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _json_body(body: bytes | None, *, allow_empty: bool = False) -> dict:
+def _json_body(body: bytes | None, *, allow_empty: bool = False) -> dict[str, Any]:
     if not body:
         if allow_empty:
             return {}
@@ -458,7 +458,7 @@ def _record(completion_id: str, prompt: list[int], gen: Generation, kept: int, t
     )
 
 
-def _usage(prompt_len: int, records: list[SampleRecord]) -> dict:
+def _usage(prompt_len: int, records: list[SampleRecord]) -> dict[str, Any]:
     sampled = sum(sum(r.loss_mask) for r in records)
     return {"prompt_tokens": prompt_len, "completion_tokens": sampled, "total_tokens": prompt_len + sampled}
 
@@ -466,7 +466,7 @@ def _usage(prompt_len: int, records: list[SampleRecord]) -> dict:
 class _Response:
     """A status, a JSON body (dict) or SSE text (str), and extra headers."""
 
-    def __init__(self, status: int, body: dict | str, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, body: dict[str, Any] | str, headers: dict[str, str] | None = None) -> None:
         self.status = status
         self.body = body
         self.headers = headers or {}
@@ -490,11 +490,11 @@ def _error(err: Refused) -> _Response:
     return _Response(err.status, body, headers)
 
 
-def _sse(chunks: list[dict]) -> str:
+def _sse(chunks: list[dict[str, Any]]) -> str:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
 
-def _chat_stream(obj: dict, include_usage: bool) -> _Response:
+def _chat_stream(obj: dict[str, Any], include_usage: bool) -> _Response:
     """The whole reply as one delta per choice, then each choice's finish reason (and the usage)."""
     head = {k: obj[k] for k in ("id", "created", "model", "system_fingerprint")} | {"object": "chat.completion.chunk"}
     chunks = []
@@ -518,7 +518,7 @@ def _chat_stream(obj: dict, include_usage: bool) -> _Response:
     return _Response(200, _sse(chunks))
 
 
-def _text_stream(obj: dict, include_usage: bool) -> _Response:
+def _text_stream(obj: dict[str, Any], include_usage: bool) -> _Response:
     head = {k: obj[k] for k in ("id", "created", "model", "object")}
     chunks = [head | {"choices": [{**c, "finish_reason": None}]} for c in obj["choices"]]
     chunks += [

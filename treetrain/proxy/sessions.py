@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from treetrain.proxy.chat import Turn
 from treetrain.proxy.stats import ProxyStats
@@ -55,7 +56,7 @@ class SampleRecord:
     reward: float | None
     text: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "completion_id": self.completion_id,
             "input_ids": self.input_ids,
@@ -83,7 +84,7 @@ class Session:
     id: str
     api_key: str
     seed: int
-    meta: dict
+    meta: dict[str, Any]
     last_used: float
     ended: bool = False
     calls: int = 0  # completion requests so far: the default seed of call k is seed + k
@@ -126,7 +127,7 @@ class SessionStore:
         self._by_key: dict[bytes, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, *, seed: int | None = None, meta: dict | None = None) -> Session:
+    def create(self, *, seed: int | None = None, meta: dict[str, Any] | None = None) -> Session:
         """A new open session; :class:`Refused` (429) when ``max_sessions`` are open."""
         with self._lock:
             self._expire_idle()

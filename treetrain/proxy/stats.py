@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Any
 
 
 class ProxyStats:
@@ -33,7 +34,7 @@ class ProxyStats:
         with self._lock:
             self._sessions_open = n
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """A copy of every count; fresh_renders names every reason of chat.FRESH_REASONS (0 too)."""
         from treetrain.proxy.chat import FRESH_REASONS
 
