@@ -85,3 +85,14 @@ async def rewards_by_row(client: Any, row: dict[str, Any]) -> Any:
 async def one_argument(client: Any) -> float:
     """Not an agent: it takes no row."""
     return 0.0
+
+
+RUNS: dict[str, int] = {}  # runs so far per row id
+
+
+async def informative_unless_r0(client: Any, row: dict[str, Any]) -> float:
+    """Row r0's runs all score 0 (no signal); the runs of any other row alternate 1 and 0."""
+    SEEN.append(str(row["id"]))
+    await _ask(client, row)
+    RUNS[row["id"]] = RUNS.get(row["id"], 0) + 1
+    return 0.0 if row["id"] == "r0" else float(RUNS[row["id"]] % 2)

@@ -32,6 +32,7 @@ def _agents(monkeypatch: pytest.MonkeyPatch) -> Any:
     import agents_for_tests
 
     agents_for_tests.SEEN.clear()
+    agents_for_tests.RUNS.clear()
     return agents_for_tests
 
 
@@ -339,3 +340,30 @@ def test_the_lockstep_mirrors_rank_0s_generate_calls_on_the_other_ranks() -> Non
     assert results[0][0] == want and results[1][0] == want
     assert results[0][1] == [[0], [0], [0]]  # rank 0 keeps its own result
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_dynamic_sampling_replaces_an_agent_group_without_signal(tmp_path: Path, renderer: Any, _agents: Any) -> None:
+    """The synchronous agent step drops a group whose runs all scored the same and plays a
+    replacement row, as the task path does (collect.fill_informative)."""
+    from proxy_helpers import Scripted
+
+    from treetrain.engines.builtin import load_tokenizer
+    from treetrain.trainer.sources import Sources
+
+    cfg = config(
+        tmp_path,
+        agent="agents_for_tests:informative_unless_r0",
+        dataset={"path": str(jsonl(tmp_path / "train.jsonl")), "shuffle": False},
+        dynamicSampling=True,
+    )
+    lines: list[str] = []
+    sources = Sources(cfg, lambda: load_tokenizer("builtin:smollm2-135m"), lines.append)
+    sources.start(Scripted(renderer, ["4"]), world_size=1, main=True, in_pod=False, max_staleness=0)
+    try:
+        rollouts = sources.play_agent_step(0)
+    finally:
+        sources.close()
+    assert rollouts.dropped_groups == 1
+    assert sorted(set(rollouts.groups)) == [1, 2] and len(rollouts.rewards) == 4
+    replacement = f"r{sources.cursor.row_index(0, 2)}"
+    assert _agents.SEEN[:4] == ["r0", "r0", "r1", "r1"] and _agents.SEEN[4:] == [replacement] * 2
