@@ -444,3 +444,47 @@ def test_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--port must be 0..65535" in capsys.readouterr().err
     assert main(["proxy", "--model", "builtin:nope"]) == 2
     assert "builtin:" in capsys.readouterr().err
+
+
+def test_sampler_hold_waits_for_the_running_batch_and_keeps_new_ones_out() -> None:
+    """The trainer's optimizer step on the model local rollout samples from goes inside hold()."""
+    running, go, release = threading.Event(), threading.Event(), threading.Event()
+    held = threading.Event()
+    log: list[str] = []
+
+    def generate(prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
+        running.set()
+        go.wait(DEADLINE_S)
+        log.append(f"generate {prompts[0][0]}")
+        return [Generation(tokens=[1], logprobs=[0.0]) for _ in prompts]
+
+    def holder() -> None:
+        with sampler.hold():
+            log.append("held")
+            held.set()
+            release.wait(DEADLINE_S)
+            log.append("released")
+
+    sampler = BatchingSampler(generate, window_s=0.0)
+    params = SamplingParams(max_new_tokens=1)
+    t = threading.Thread(target=holder)
+    try:
+        first = sampler.submit([[1]], params, 0)
+        assert running.wait(DEADLINE_S)
+        t.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while not sampler._holds and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not held.is_set()  # the hold waits for the batch under way
+        go.set()
+        assert first.result(DEADLINE_S) and held.wait(DEADLINE_S)
+        second = sampler.submit([[2]], params, 0)
+        assert not second.done()
+        release.set()
+        assert second.result(DEADLINE_S)
+    finally:
+        go.set()
+        release.set()
+        t.join(DEADLINE_S)
+        sampler.close()
+    assert log == ["generate 1", "held", "released", "generate 2"]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from treetrain.rl.rollout import Generation, RolloutError, SamplingParams, ServerUnavailable
@@ -61,6 +62,8 @@ class BatchingSampler:
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
         self._closed = False
+        self._holds = 0  # hold() contexts open: no batch starts while > 0
+        self._running = False  # a generate call is under way
         self.batches = 0  # generate calls made (the tests read it)
         self._worker = threading.Thread(target=self._run, name="treetrain-proxy-sampler", daemon=True)
         self._worker.start()
@@ -84,6 +87,21 @@ class BatchingSampler:
         """:meth:`submit` and wait (raises :class:`SamplerError`)."""
         return self.submit(prompts, params, seed, explicit_seed=explicit_seed).result()
 
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """No generate call runs inside: waits for the running batch, and new ones wait until the
+        block ends (the trainer steps the optimizer on the model local rollout samples from)."""
+        with self._cond:
+            self._holds += 1
+            while self._running:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._cond.notify_all()
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Fail what is queued and stop the worker after its current batch."""
         with self._cond:
@@ -106,7 +124,7 @@ class BatchingSampler:
     def _next_batch(self) -> list[_Request] | None:
         """The oldest request and those like it that arrive within the window (up to max_batch prompts)."""
         with self._cond:
-            while not self._queue and not self._closed:
+            while (not self._queue or self._holds) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
@@ -116,6 +134,10 @@ class BatchingSampler:
                 self._cond.wait(left)
                 if self._closed:
                     return None
+            while self._holds and not self._closed:  # a hold() began during the window
+                self._cond.wait()
+            if self._closed:
+                return None
             batch: list[_Request] = []
             size = 0
             for req in list(self._queue):
@@ -123,12 +145,21 @@ class BatchingSampler:
                     batch.append(req)
                     size += len(req.prompts)
                     self._queue.remove(req)
+            self._running = True
             return batch
 
     def _count(self, key: tuple[SamplingParams, int | None]) -> int:
         return sum(len(r.prompts) for r in self._queue if r.key == key)
 
     def _call(self, batch: list[_Request]) -> None:
+        try:
+            self._deliver(batch)
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def _deliver(self, batch: list[_Request]) -> None:
         prompts = [p for req in batch for p in req.prompts]
         self.batches += 1
         try:

@@ -207,7 +207,7 @@ class ProxyServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("messages must be a non-empty list of message objects", "messages")
-        opts = _options(body, self.limits.max_tokens)
+        opts = _Options(body, self.limits.max_tokens)
         tools, use_tools = _tools(body)
         try:
             normalized = normalize_messages(messages)
@@ -255,7 +255,7 @@ class ProxyServer:
             tokens = [int(t) for t in prompt]
         else:
             raise BadRequest("prompt must be one non-empty string (or one list of token ids)", "prompt")
-        opts = _options(body, self.limits.max_tokens, default_max=16)
+        opts = _Options(body, self.limits.max_tokens)
         gens, cid, max_new = self._sample(session, tokens, opts, "cmpl")
         choices, records = [], []
         for i, gen in enumerate(gens):
@@ -313,7 +313,7 @@ class ProxyServer:
 class _Options:
     """The sampling options of one completion request, checked."""
 
-    def __init__(self, body: dict[str, Any], cap: int, default_max: int | None) -> None:
+    def __init__(self, body: dict[str, Any], cap: int) -> None:
         self.model = body.get("model")
         if self.model is not None and not isinstance(self.model, str):
             raise BadRequest("model must be a string", "model")
@@ -321,7 +321,7 @@ class _Options:
         self.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
         if self.top_p == 0.0:
             raise BadRequest("top_p must be > 0 and <= 1", "top_p")
-        self.max_tokens = cap if default_max is None else min(default_max, cap)
+        self.max_tokens = cap  # the default, as ProxyLimits.max_tokens says
         for name in ("max_completion_tokens", "max_tokens"):
             value = body.get(name)
             if value is None:
@@ -349,10 +349,6 @@ class _Options:
         if not isinstance(so, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
         self.include_usage = bool(so.get("include_usage", False))
-
-
-def _options(body: dict[str, Any], cap: int, default_max: int | None = None) -> _Options:
-    return _Options(body, cap, default_max)
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, bool]:
