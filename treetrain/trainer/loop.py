@@ -296,7 +296,8 @@ class Trainer:
         if self.max_staleness >= 1:
             return self._take(step)
         if self.sources.agent is not None:
-            return self._on_rank0(lambda: self.sources.play_agent_step(step))
+            played: Rollouts = self._on_rank0(lambda: self.sources.play_agent_step(step))
+            return played
         rollouts = collect_rollouts(
             self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
         )

@@ -178,10 +178,11 @@ class Sources:
     def _dataset_task(self, settings: TrainerSettings | None = None, rows: Any = None, cursor: Any = None) -> Task:
         from treetrain.rl.dataset import DatasetTask
 
-        if self.reward_runner is None:
+        rows = rows if rows is not None else self.rows
+        if self.reward_runner is None or rows is None:
             raise TaskError("trainer.dataset without an agent needs trainer.reward (the config check says so)")
         task: Task = DatasetTask(
-            rows if rows is not None else self.rows,
+            rows,
             settings or self.cfg.trainer,
             self.tokenizer,
             self.reward_runner,
