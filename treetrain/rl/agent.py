@@ -97,8 +97,10 @@ def run_agents(
     """Play every job concurrently on a fresh event loop in this thread, then end and discard
     their sessions (the proxy keeps nothing of them). Never raises for the agent's failures:
     a failed run comes back with ``error`` set and one log line."""
-    sessions = [_open_session(server, job.seed) for job in jobs]
+    sessions: list[tuple[str, str]] = []
     try:
+        for job in jobs:  # one by one: those opened before a failure are still discarded
+            sessions.append(_open_session(server, job.seed))
         outcomes = asyncio.run(_play_all(agent, jobs, sessions, server.url, timeout_s))
         runs = []
         for job, (sid, _), outcome in zip(jobs, sessions, outcomes, strict=True):

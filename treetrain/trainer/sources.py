@@ -207,6 +207,11 @@ class Sources:
         renderer = ChatRenderer(self.tokenizer)
         limits = proxy_limits(t)
         bound = (max_staleness + 1) * t.groups_per_step * t.group_size
+        if bound > p.max_sessions:
+            raise TaskError(
+                f"trainer.proxy.maxSessions ({p.max_sessions}) is below the runs in flight, (maxStaleness + 1) x "
+                f"groupsPerStep x groupSize = {bound}; fix: raise trainer.proxy.maxSessions to {bound} or more"
+            )
         name = self.cfg.model.path
         self.server = ProxyServer(
             generate=self.lockstep.lead, renderer=renderer, model_name=name, limits=limits, admit=self._admit(bound)
