@@ -16,6 +16,7 @@ import pytest
 
 from treetrain import config as C
 from treetrain.rl.dataset import DataCursor
+from treetrain.rl.task import TaskError
 from treetrain.trainer.loop import Trainer, run_training
 from treetrain.trainer.sources import DATA_STATE
 
@@ -367,3 +368,10 @@ def test_dynamic_sampling_replaces_an_agent_group_without_signal(tmp_path: Path,
     assert sorted(set(rollouts.groups)) == [1, 2] and len(rollouts.rewards) == 4
     replacement = f"r{sources.cursor.row_index(0, 2)}"
     assert _agents.SEEN[:4] == ["r0", "r0", "r1", "r1"] and _agents.SEEN[4:] == [replacement] * 2
+
+
+def test_a_proxy_too_small_for_the_runs_in_flight_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    cfg = config(tmp_path, groupsPerStep=4, groupSize=4, proxy={"port": 0, "maxSessions": 8})
+    with pytest.raises(TaskError) as err:
+        Trainer(cfg, log=lambda line: None)
+    assert "trainer.proxy.maxSessions (8)" in str(err.value) and "to 16 or more" in str(err.value)

@@ -136,6 +136,7 @@ class Sources:
         self.tokenizer = tokenizer
         if self.agent is not None:
             self.task = AgentTask(len(tokenizer), t.max_new_tokens)
+            check_sessions(cfg)
         else:
             self.task = self._dataset_task()
 
@@ -207,11 +208,6 @@ class Sources:
         renderer = ChatRenderer(self.tokenizer)
         limits = proxy_limits(t)
         bound = (max_staleness + 1) * t.groups_per_step * t.group_size
-        if bound > p.max_sessions:
-            raise TaskError(
-                f"trainer.proxy.maxSessions ({p.max_sessions}) is below the runs in flight, (maxStaleness + 1) x "
-                f"groupsPerStep x groupSize = {bound}; fix: raise trainer.proxy.maxSessions to {bound} or more"
-            )
         name = self.cfg.model.path
         self.server = ProxyServer(
             generate=self.lockstep.lead, renderer=renderer, model_name=name, limits=limits, admit=self._admit(bound)
@@ -355,6 +351,20 @@ class Sources:
         proxy = self.server.stats.snapshot() if self.server is not None else None
         failures = dict(self.reward_runner.failures) if self.reward_runner is not None else None
         return proxy, failures
+
+
+def check_sessions(cfg: TrainConfig) -> None:
+    """Every rank, before the model loads: the proxy must hold the runs in flight."""
+    from treetrain.config.schema import max_staleness
+
+    t, r, servers = cfg.trainer, cfg.trainer.rollout, cfg.rollout.servers
+    local = r.kind == "local" or (r.kind == "auto" and not servers)
+    bound = ((0 if local else max_staleness(r, servers)) + 1) * t.groups_per_step * t.group_size
+    if bound > t.proxy.max_sessions:
+        raise TaskError(
+            f"trainer.proxy.maxSessions ({t.proxy.max_sessions}) is below the agent runs in flight, (maxStaleness + 1) "
+            f"x groupsPerStep x groupSize = {bound}; fix: raise trainer.proxy.maxSessions to {bound} or more"
+        )
 
 
 def proxy_limits(t: TrainerSettings) -> Any:
