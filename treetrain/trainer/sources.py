@@ -137,6 +137,9 @@ class Sources:
         if self.agent is not None:
             self.task = AgentTask(len(tokenizer), t.max_new_tokens)
             check_sessions(cfg)
+            from treetrain.proxy.chat import ChatRenderer
+
+            self.renderer = ChatRenderer(tokenizer)  # every rank: a template it refuses stops them all
         else:
             self.task = self._dataset_task()
 
@@ -200,12 +203,11 @@ class Sources:
         self.lockstep = Lockstep(generate, world_size)
         if not main:
             return
-        from treetrain.proxy.chat import ChatRenderer
         from treetrain.proxy.server import ProxyServer
 
         t = self.cfg.trainer
         p = t.proxy
-        renderer = ChatRenderer(self.tokenizer)
+        renderer = self.renderer
         limits = proxy_limits(t)
         bound = (max_staleness + 1) * t.groups_per_step * t.group_size
         name = self.cfg.model.path
