@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from treetrain import config as C
 from treetrain.rl.dataset import DataCursor
@@ -375,3 +376,36 @@ def test_a_proxy_too_small_for_the_runs_in_flight_is_refused_before_the_model_lo
     with pytest.raises(TaskError) as err:
         Trainer(cfg, log=lambda line: None)
     assert "trainer.proxy.maxSessions (8)" in str(err.value) and "to 16 or more" in str(err.value)
+
+
+def raw_config(tmp: Path, **trainer: Any) -> dict[str, Any]:
+    """``config()`` as the YAML a user writes (camelCase keys, unset ones left out)."""
+    return config(tmp, **trainer).model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        (
+            {"agent": "agents_for_tests:failing_reward"},
+            "trainer.agent 'agents_for_tests:failing_reward' is not an async",
+        ),
+        ({"dataset": {"path": "MISSING/rows.jsonl"}}, "no such file or directory"),
+        ({"agent": None, "reward": "agents_for_missing_tests:score"}, "agents_for_missing_tests"),
+    ],
+    ids=["not-async", "no-dataset", "no-reward-module"],
+)
+def test_train_exits_2_with_one_line_for_an_agent_dataset_or_reward_that_cannot_load(
+    tmp_path: Path, trainer: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from treetrain.cli import main
+
+    raw = raw_config(tmp_path, **trainer)
+    if "dataset" in trainer:
+        raw["trainer"]["dataset"]["path"] = str(tmp_path / trainer["dataset"]["path"])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err

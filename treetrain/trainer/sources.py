@@ -113,8 +113,18 @@ class Sources:
         if t.dataset is None:
             self.task: Any = load_task(t.task, t.task_args, get_tokenizer)
             return
+        try:
+            self._load_data(cfg, get_tokenizer)
+        except TaskError:
+            raise
+        except ValueError as err:  # DatasetError, RewardError, ChatError: their line names the key and the fix
+            raise TaskError(str(err)) from None
+
+    def _load_data(self, cfg: TrainConfig, get_tokenizer: Callable[[], Any]) -> None:
         from treetrain.rl.dataset import load_rows
 
+        t = cfg.trainer
+        assert t.dataset is not None
         self.rows = load_rows(t.dataset)
         if not len(self.rows):
             raise TaskError(f"trainer.dataset {t.dataset.path}: no rows; fix: point it at a file with rows")
@@ -124,7 +134,7 @@ class Sources:
 
             fn = load_reward(t.reward, t.reward_args)
             self.reward_runner = RewardRunner(
-                fn, timeout_s=t.reward_timeout_seconds, answer_field=t.dataset.answer_field, log=log
+                fn, timeout_s=t.reward_timeout_seconds, answer_field=t.dataset.answer_field, log=self.log
             )
         self.resume(None)
         tokenizer = get_tokenizer()
@@ -165,7 +175,10 @@ class Sources:
         if state is None:
             self.cursor = DataCursor(n, gps, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
         else:
-            self.cursor = DataCursor.from_state(state, n, gps, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
+            try:
+                self.cursor = DataCursor.from_state(state, n, gps, shuffle=t.dataset.shuffle, seed=t.dataset.seed)
+            except ValueError as err:  # a data.json of another version: the line says to remove it
+                raise TaskError(str(err)) from None
         if self.cursor.note:
             self.log(f"data: {self.cursor.note}")
         task = getattr(self, "task", None)
