@@ -296,11 +296,11 @@ class Trainer:
         if self.max_staleness >= 1:
             return self._take(step)
         if self.sources.agent is not None:
-            played: Rollouts = self._on_rank0(lambda: self.sources.play_agent_step(step))
-            return played
-        rollouts = collect_rollouts(
-            self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
-        )
+            rollouts: Rollouts = self._on_rank0(lambda: self.sources.play_agent_step(step))
+        else:
+            rollouts = collect_rollouts(
+                self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
+            )
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
         return rollouts
