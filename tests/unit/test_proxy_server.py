@@ -313,10 +313,10 @@ def test_async_clients_are_batched_and_a_failing_batch_fails_alone(renderer: Cha
 
         async def run() -> list[str]:
             first = asyncio.ensure_future(one(keys[0], "first"))
-            while not sizes:  # the worker holds the first call
+            deadline = time.monotonic() + DEADLINE_S
+            while not sizes and time.monotonic() < deadline:  # the worker holds the first call
                 await asyncio.sleep(0.01)
             rest = [asyncio.ensure_future(one(k, f"q{i}")) for i, k in enumerate(keys[1:])]
-            deadline = time.monotonic() + DEADLINE_S
             while len(server.sampler._queue) < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             release.set()
@@ -415,6 +415,8 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
         text=True,
         env=env,
     )
+    watchdog = threading.Timer(3 * DEADLINE_S, proc.kill)  # a server that never prints must not hang the run
+    watchdog.start()
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -429,6 +431,7 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
         assert proc.wait(DEADLINE_S) == 0
         assert "model: loaded on cpu" in (proc.stderr.read() if proc.stderr else "")
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
