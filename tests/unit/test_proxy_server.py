@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -407,21 +408,8 @@ def test_sampler_seeds_split_batches() -> None:
 @pytest.mark.slow
 def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
     """``treetrain proxy`` loads the model, prints its URL, answers, and exits 0 on SIGTERM."""
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "treetrain.cli", "proxy", "--model", SMOL, "--port", "0", "--max-tokens", "4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    watchdog = threading.Timer(3 * DEADLINE_S, proc.kill)  # a server that never prints must not hang the run
-    watchdog.start()
+    proc, url, watchdog = _serve_cli(["--max-tokens", "4"], tmp_path)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith(f"treetrain proxy: serving {SMOL} at http://127.0.0.1:"), line
-        url = line.split(" at ")[1].strip().removesuffix("/v1")
         status, _, body = request(url, "POST", "/rl/sessions", {})
         assert status == 200
         with OpenAI(base_url=url + "/v1", api_key=body["api_key"], max_retries=0) as client:
@@ -438,6 +426,62 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def _serve_cli(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen[str], str, threading.Timer]:
+    """``treetrain proxy ARGS`` started; (the process, its base URL from the line it prints, a
+    watchdog that kills it after the deadline: a server that never prints must not hang the run)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treetrain.cli", "proxy", "--model", SMOL, "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    watchdog = threading.Timer(3 * DEADLINE_S, proc.kill)
+    watchdog.start()
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()
+    if not line.startswith(f"treetrain proxy: serving {SMOL} at http://127.0.0.1:"):
+        watchdog.cancel()
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"treetrain proxy printed {line!r}; stderr: {err[-2000:]}")
+    return proc, line.split(" at ")[1].strip().removesuffix("/v1"), watchdog
+
+
+def test_cli_with_a_rollout_server(tmp_path: Path) -> None:
+    """``--rollout URL``: sampling on a server (bench/rollout_standin.py, SGLang's dialect), no model loaded."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from rollout_standin import RolloutStandin
+
+    with RolloutStandin(token_delay_s=0.001, vocab=64, first_token=4, seed=3) as standin:
+        proc, url, watchdog = _serve_cli(["--rollout", standin.url, "--max-tokens", "5"], tmp_path)
+        try:
+            status, _, body = request(url, "POST", "/rl/sessions", {})
+            assert status == 200
+            with OpenAI(base_url=url + "/v1", api_key=body["api_key"], max_retries=0) as client:
+                resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+            (rec,) = samples_of(url, body["id"], body["api_key"])
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(DEADLINE_S) == 0
+        finally:
+            watchdog.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        assert standin.requests >= 1
+    assert resp.usage.completion_tokens == 5 == sum(rec["loss_mask"])
+    assert rec["logprobs"][-5:] == [pytest.approx(standin.logprob)] * 5 and rec["versions"][-5:] == [0] * 5
+
+
+def samples_of(url: str, sid: str, key: str) -> list[dict[str, Any]]:
+    status, _, got = request(url, "GET", f"/rl/sessions/{sid}/samples", key=key)
+    assert status == 200, got
+    return list(got["samples"])
 
 
 def test_cli_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
