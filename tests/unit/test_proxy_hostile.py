@@ -88,7 +88,7 @@ def test_malformed_bodies_get_400_with_a_message(server: ProxyServer, key: str, 
 
 
 def test_bad_completion_prompts_and_reward_bodies(server: ProxyServer, key: str) -> None:
-    for prompt in (None, "", [], ["a", "b"], [1, -2], {"text": "x"}):
+    for prompt in (None, "", [], ["a", "b"], [1, -2], [1, 10**9], [1.5], {"text": "x"}):
         status, _, body = request(server.url, "POST", "/v1/completions", {"prompt": prompt}, key=key)
         assert status == 400 and body["error"]["param"] == "prompt", (prompt, body)
     sid = server.store.authenticate(key).id

@@ -255,12 +255,13 @@ def test_n_choices_in_one_batch(renderer: ChatRenderer, sync_client: Any) -> Non
 
 
 def test_text_completions_models_and_stop_strings(renderer: ChatRenderer, sync_client: Any) -> None:
-    script = Scripted(renderer, ["Hello world. And more.", "Hello world. And more."])
+    script = Scripted(renderer, ["Hello world. And more."])
     with serving(script, renderer) as server:
         sid, key = new_session(server)
         client = sync_client(server.url, key)
         full = client.completions.create(model="m", prompt="Say hello:")
         cut = client.completions.create(model="m", prompt="Say hello:", stop=["."], max_tokens=400)
+        ids = client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=2)
         models = client.models.list()
         records = samples(server, sid, key)
     assert full.object == "text_completion" and full.choices[0].text == "Hello world. And more."
@@ -270,6 +271,9 @@ def test_text_completions_models_and_stop_strings(renderer: ChatRenderer, sync_c
     assert renderer.tokenizer.decode(kept).endswith(".") and not renderer.tokenizer.decode(kept[:-1]).endswith(".")
     assert records[0]["input_ids"][: full.usage.prompt_tokens] == renderer.render_text_prompt("Say hello:")
     assert [m.id for m in models.data] == [SMOL]
+    assert (
+        script.calls[2] == [[1, 2, 3]] and ids.usage.completion_tokens == 2 and ids.choices[0].finish_reason == "length"
+    )
 
 
 def test_admission_hook_and_session_bound(renderer: ChatRenderer) -> None:

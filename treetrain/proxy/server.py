@@ -87,6 +87,9 @@ class ProxyServer:
         self.store = SessionStore(limits, stats=self.stats)
         self.sampler = BatchingSampler(generate, window_s=batch_window_s, log=self.log)
         self.created = int(time.time())
+        # A Hugging Face fast tokenizer may refuse concurrent calls ("Already borrowed": encode
+        # sets its truncation state); rendering takes milliseconds, so the HTTP threads take turns.
+        self._tokenizer_lock = threading.RLock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.url = ""
@@ -211,7 +214,8 @@ class ProxyServer:
         tools, use_tools = _tools(body)
         try:
             normalized = normalize_messages(messages)
-            prompt = self.renderer.prompt(messages, tools if use_tools else None, self.store.turns(session))
+            with self._tokenizer_lock:
+                prompt = self.renderer.prompt(messages, tools if use_tools else None, self.store.turns(session))
         except ChatError as err:
             raise BadRequest(str(err), "messages") from None
         if prompt.fresh_reason is not None:
@@ -220,7 +224,9 @@ class ProxyServer:
         choices, turns, records = [], [], []
         for i, gen in enumerate(gens):
             tokens, finish, cut = _stopped(gen, opts.stop, self._text)
-            reply = self.renderer.reply(tokens, finish)
+            text = self._text(tokens) if cut is None else cut
+            with self._tokenizer_lock:
+                reply = self.renderer.reply(tokens, finish)
             if reply.tool_calls and not use_tools:  # no tools offered (or tool_choice none): the text as is
                 reply = _plain(self._text(tokens), finish)
             if cut is not None:
@@ -231,7 +237,7 @@ class ProxyServer:
             turns.append(
                 Turn(messages=normalized, reply=normalize_messages([message])[0], tokens=(*prompt.tokens, *tokens))
             )
-            records.append(_record(completion_id, prompt.tokens, gen, len(tokens), reply.content or ""))
+            records.append(_record(completion_id, prompt.tokens, gen, len(tokens), text))
         self._finish(session, prompt.tokens, gens, max_new, turns, records)
         usage = _usage(len(prompt.tokens), records)
         obj = {
@@ -249,12 +255,14 @@ class ProxyServer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # one prompt in a list, as the SDK may send it
+        vocab = len(self.renderer.tokenizer)
         if isinstance(prompt, str) and prompt:
-            tokens = self.renderer.render_text_prompt(prompt)
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-            tokens = [int(t) for t in prompt]
+            with self._tokenizer_lock:
+                tokens = self.renderer.render_text_prompt(prompt)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t < vocab for t in prompt):
+            tokens = [int(t) for t in prompt]  # an id outside the vocabulary would fail the whole batch
         else:
-            raise BadRequest("prompt must be one non-empty string (or one list of token ids)", "prompt")
+            raise BadRequest(f"prompt must be one non-empty string (or one list of token ids below {vocab})", "prompt")
         opts = _Options(body, self.limits.max_tokens)
         gens, cid, max_new = self._sample(session, tokens, opts, "cmpl")
         choices, records = [], []
@@ -306,7 +314,8 @@ class ProxyServer:
         self.stats.completion_tokens(sum(sum(r.loss_mask) for r in records))
 
     def _text(self, tokens: list[int]) -> str:
-        return str(self.renderer.tokenizer.decode(tokens, skip_special_tokens=True))
+        with self._tokenizer_lock:
+            return str(self.renderer.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
 # -- request parsing ------------------------------------------------------------------------
