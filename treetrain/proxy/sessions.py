@@ -120,6 +120,7 @@ class SessionStore:
     ) -> None:
         self.limits = limits
         self.stats = stats or ProxyStats()
+        self.stats.open_sessions = self.open_count
         self._clock = clock
         self._lock = threading.Lock()
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently used first

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
+
+from treetrain.proxy.chat import FRESH_REASONS
 
 
 class ProxyStats:
@@ -17,6 +20,9 @@ class ProxyStats:
         self._fresh: Counter[str] = Counter()
         self._sessions_open = 0
         self._completion_tokens = 0
+        # Set by the SessionStore: counting open sessions also ends the idle ones, so a snapshot
+        # taken while no request comes in is still right.
+        self.open_sessions: Callable[[], int] | None = None
 
     def response(self, status: int) -> None:
         with self._lock:
@@ -36,12 +42,12 @@ class ProxyStats:
 
     def snapshot(self) -> dict[str, Any]:
         """A copy of every count; fresh_renders names every reason of chat.FRESH_REASONS (0 too)."""
-        from treetrain.proxy.chat import FRESH_REASONS
-
+        count = self.open_sessions
+        open_now = count() if count is not None else None  # before our lock: the store's lock comes first
         with self._lock:
             return {
                 "requests": dict(self._requests),
-                "sessions_open": self._sessions_open,
+                "sessions_open": self._sessions_open if open_now is None else open_now,
                 "fresh_renders": {
                     r: self._fresh[r] for r in (*FRESH_REASONS, *sorted(set(self._fresh) - set(FRESH_REASONS)))
                 },
