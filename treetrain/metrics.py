@@ -47,7 +47,7 @@ CAP_REASONS = ("turns", "tokens")
 # or a generation that failed on every server.
 DROP_REASONS = ("filtered", "failed")
 # Label values of PROXY_FRESH_RENDERS_TOTAL{reason=...}: why a chat request was rendered afresh
-# instead of extending an earlier completion's tokens (treetrain.proxy.chat.FRESH_REASONS).
+# instead of extending an earlier completion's tokens (treetrain.proxy.chat counts them).
 FRESH_REASONS = ("edited", "template")
 # Label values of REWARD_FAILURES_TOTAL{reason=...}: the reward function raised, or ran too long.
 REWARD_FAILURE_REASONS = ("error", "timeout")

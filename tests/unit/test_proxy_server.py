@@ -424,13 +424,18 @@ def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
         assert proc.wait(DEADLINE_S) == 0
         assert "model: loaded on cpu" in (proc.stderr.read() if proc.stderr else "")
     finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        _reap(proc, watchdog)
+
+
+def _reap(proc: subprocess.Popen[str], watchdog: threading.Timer) -> None:
+    """The CLI process gone (killed if it still runs) and its pipes closed."""
+    watchdog.cancel()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _serve_cli(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen[str], str, threading.Timer]:
@@ -471,13 +476,7 @@ def test_cli_with_a_rollout_server(tmp_path: Path) -> None:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(DEADLINE_S) == 0
         finally:
-            watchdog.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pipe in (proc.stdout, proc.stderr):
-                if pipe is not None:
-                    pipe.close()
+            _reap(proc, watchdog)
         assert standin.requests >= 1
     assert resp.usage.completion_tokens == 5 == sum(rec["loss_mask"])
     assert rec["logprobs"][-5:] == [pytest.approx(standin.logprob)] * 5 and rec["versions"][-5:] == [0] * 5

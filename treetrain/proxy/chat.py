@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treetrain.metrics import FRESH_REASONS as FRESH_REASONS  # the label values: one tuple, in metrics
 from treetrain.proxy.tools import ParsedReply, from_parsed_message, parse_reply
 
-FRESH_REASONS = ("edited", "template")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # End-of-turn tokens of the model families the engines serve; the sampler stops on those in the vocabulary.
 # (Their generation configs stop on the end-of-text token as well: Qwen2.5 on <|endoftext|>, Llama 3.1 on

@@ -102,7 +102,8 @@ class ProxyServer:
         httpd.daemon_threads = True
         self._httpd = httpd
         bound = int(httpd.server_address[1])
-        self.url = f"http://{host}:{bound}"
+        # The URL this process dials (the trainer's own agents): loopback when serving every interface.
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
         self._thread = threading.Thread(
             target=httpd.serve_forever, args=(SHUTDOWN_POLL_S,), name="treetrain-proxy-http", daemon=True
         )

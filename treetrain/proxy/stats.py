@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from treetrain.proxy.chat import FRESH_REASONS
+from treetrain.metrics import FRESH_REASONS
 
 
 class ProxyStats:

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from treetrain.metrics import REWARD_FAILURE_REASONS as FAILURE_REASONS
 from treetrain.rl.task import TaskError, _first_line, _import
 
-FAILURE_REASONS = ("error", "timeout")  # label values of treetrain_reward_failures_total{reason}
 GSM8K_MARK = "####"
 MAX_STUCK = 4  # reward calls left running past their timeout at once; past it calls fail fast
 MAX_DIGITS = 10_000  # math: numbers a reply may make sympy compute (9^(9^9) would hold the GIL for ever)

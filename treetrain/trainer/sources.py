@@ -106,6 +106,7 @@ class Sources:
         self.rows: Sequence[dict[str, Any]] | None = None
         self.eval_rows: Sequence[dict[str, Any]] | None = None
         self.reward_runner: Any = None
+        self.eval_reward_runner: Any = None
         self.cursor: Any = None
         self.server: ProxyServer | None = None
         self.eval_server: ProxyServer | None = None
@@ -133,9 +134,13 @@ class Sources:
             from treetrain.rl.rewards import RewardRunner, load_reward
 
             fn = load_reward(t.reward, t.reward_args)
-            self.reward_runner = RewardRunner(
-                fn, timeout_s=t.reward_timeout_seconds, answer_field=t.dataset.answer_field, log=self.log
-            )
+
+            def runner(answer_field: str) -> RewardRunner:
+                return RewardRunner(fn, timeout_s=t.reward_timeout_seconds, answer_field=answer_field, log=self.log)
+
+            self.reward_runner = self.eval_reward_runner = runner(t.dataset.answer_field)
+            if t.eval is not None and t.eval.dataset.answer_field != t.dataset.answer_field:
+                self.eval_reward_runner = runner(t.eval.dataset.answer_field)  # the eval rows name theirs
         self.resume(None)
         tokenizer = get_tokenizer()
         if tokenizer is None:
@@ -192,17 +197,20 @@ class Sources:
         assert self.rows is not None and self.cursor is not None
         return dict(self.rows[self.cursor.row_index(step, group)])
 
-    def _dataset_task(self, settings: TrainerSettings | None = None, rows: Any = None, cursor: Any = None) -> Task:
+    def _dataset_task(
+        self, settings: TrainerSettings | None = None, rows: Any = None, cursor: Any = None, runner: Any = None
+    ) -> Task:
         from treetrain.rl.dataset import DatasetTask
 
         rows = rows if rows is not None else self.rows
-        if self.reward_runner is None or rows is None:
+        runner = runner if runner is not None else self.reward_runner
+        if runner is None or rows is None:
             raise TaskError("trainer.dataset without an agent needs trainer.reward (the config check says so)")
         task: Task = DatasetTask(
             rows,
             settings or self.cfg.trainer,
             self.tokenizer,
-            self.reward_runner,
+            runner,
             cursor if cursor is not None else self.cursor,
         )
         return task
@@ -231,7 +239,12 @@ class Sources:
         try:
             port = self.server.start(host, p.port)
         except OSError as err:
-            # A busy port must not stop training (a second run on one machine): any free port.
+            if in_pod:  # the trainer Service's openai port names this one: another would serve no one
+                raise TaskError(
+                    f"trainer.proxy.port {p.port} cannot be served ({err.strerror}); fix: free the port in the pod "
+                    "or choose another trainer.proxy.port"
+                ) from None
+            # Off a pod a busy port must not stop training (a second run on one machine): any free port.
             port = self.server.start(host, 0)
             self.log(f"proxy: port {p.port} unavailable ({err.strerror}); serving on port {port}")
         self.log(f"proxy: http://{host}:{port}/v1 (sessions: POST /rl/sessions)")
@@ -337,7 +350,7 @@ class Sources:
                 jobs,
                 server=self.eval_server,
                 timeout_s=t.episode_timeout_seconds,
-                reward_runner=self.reward_runner,
+                reward_runner=self.eval_reward_runner,
                 log=self.log,
             )
             rewards = [r.reward if r.error is None else 0.0 for r in runs]
@@ -355,7 +368,7 @@ class Sources:
         n = len(rows)
         settings = t.model_copy(update={"dataset": t.eval.dataset})
         cursor = DataCursor(n, n, shuffle=False, seed=0)  # group g of step 0 is row g
-        task = self._dataset_task(settings, rows, cursor)
+        task = self._dataset_task(settings, rows, cursor, self.eval_reward_runner)
         out = play_episodes(
             task, greedy(generate), settings, 0, list(range(n)), turn_seed=lambda turn: seed_of(t.seed, EVAL_SALT, step)
         )
@@ -364,7 +377,10 @@ class Sources:
     def figures(self) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
         """What the metrics export: the proxy's counters and the reward runner's failures."""
         proxy = self.server.stats.snapshot() if self.server is not None else None
-        failures = dict(self.reward_runner.failures) if self.reward_runner is not None else None
+        runners = {id(r): r for r in (self.reward_runner, self.eval_reward_runner) if r is not None}.values()
+        failures: dict[str, int] | None = None
+        for r in runners:  # training and evaluation rewards fail alike: one count
+            failures = {k: (failures or {}).get(k, 0) + v for k, v in r.failures.items()}
         return proxy, failures
 
 
