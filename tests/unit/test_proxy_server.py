@@ -412,14 +412,22 @@ def test_sampler_seeds_split_batches() -> None:
 
 @pytest.mark.slow
 def test_cli_serves_until_sigterm(tmp_path: Path) -> None:
-    """``treetrain proxy`` loads the model, prints its URL, answers, and exits 0 on SIGTERM."""
-    proc, url, watchdog = _serve_cli(["--max-tokens", "4"], tmp_path)
+    """ACCEPTANCE against the ``treetrain proxy`` process itself: it loads the model and prints its
+    URL; the three-turn tool chat through the openai SDK chains token for token, each loss mask
+    counts usage.completion_tokens, calls without a valid key get 401; SIGTERM exits 0."""
+    proc, url, watchdog = _serve_cli(["--max-tokens", "6"], tmp_path)
     try:
         status, _, body = request(url, "POST", "/rl/sessions", {})
         assert status == 200
-        with OpenAI(base_url=url + "/v1", api_key=body["api_key"], max_retries=0) as client:
-            resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
-        assert 1 <= resp.usage.completion_tokens <= 4
+        sid, key = body["id"], body["api_key"]
+        with OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300) as client:
+            responses = _three_turns(client)
+        assert all(1 <= r.usage.completion_tokens <= 6 for r in responses)
+        _check_chain(samples_of(url, sid, key), responses)
+        msgs = [{"role": "user", "content": "hi"}]
+        assert request(url, "POST", "/v1/chat/completions", {"messages": msgs})[0] == 401
+        assert request(url, "POST", "/v1/chat/completions", {"messages": msgs}, key="sk-sess-wrong")[0] == 401
+        assert request(url, "GET", f"/rl/sessions/{sid}/samples")[0] == 401
         proc.terminate()
         assert proc.wait(DEADLINE_S) == 0
         assert "model: loaded on cpu" in (proc.stderr.read() if proc.stderr else "")
