@@ -229,6 +229,7 @@ class TrainerMetrics:
             self.episodes_capped.labels(reason=reason)
         for reason in DROP_REASONS:
             self.groups_dropped.labels(reason=reason)
+        self.proxy_requests.labels(code="200")  # the other codes appear once answered; runs without agents stay at 0
         for reason in FRESH_REASONS:
             self.proxy_fresh_renders.labels(reason=reason)
         for reason in REWARD_FAILURE_REASONS:
