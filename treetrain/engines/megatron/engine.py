@@ -35,9 +35,11 @@ from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, Tr
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_model
 from treetrain.engines.megatron import convert
+from treetrain.engines.megatron.grads import GradPlan, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
 from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
+from treetrain.engines.megatron.schedule import run_schedule
 from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PAD_TOKEN_ID, PackedBatch, PackedTree
 
@@ -198,52 +200,20 @@ class MegatronEngine(Engine):
         return (rows, 1, self.hidden_size)
 
     def _schedule(self, chunks: list[_Chunk], on_output: Any, *, train: bool) -> None:
-        """All forwards, then (``train``) all backwards, GPipe style over plain p2p.
+        """Every micro-batch through this rank's stage (:func:`.schedule.run_schedule`).
 
         ``on_output(i, out)`` runs on the last stage and returns the scalar to backward (or
         None). Activations cross stages in fp32 (exact, and every stage knows the dtype)."""
-        pp = self.sizes["pp"]
-        if pp == 1:
-            for i, chunk in enumerate(chunks):
-                scalar = on_output(i, self._stage(chunk, None))
-                if train:
-                    torch.autograd.backward(scalar)
-            return
-        from megatron.core import parallel_state as ps
-
-        prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
-        device = self.layout.device
-        pending: list[Any] = []
-        saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        for i, chunk in enumerate(chunks):
-            hidden = None
-            if not self.first:
-                hidden = torch.empty(self._p2p_shape(chunk), dtype=torch.float32, device=device)
-                dist.recv(hidden, src=prev)
-                hidden.requires_grad_(train)
-            out = self._stage(chunk, hidden)
-            if self.last:
-                out = on_output(i, out)
-            else:
-                pending.append(dist.isend(out.detach().float().contiguous(), dst=nxt))
-            saved.append((hidden, out))
-        for work in pending:
-            work.wait()
-        if not train:
-            return
-        pending = []
-        for i, (hidden, out) in enumerate(saved):
-            if self.last:
-                torch.autograd.backward(out)
-            else:
-                grad = torch.empty(self._p2p_shape(chunks[i]), dtype=torch.float32, device=device)
-                dist.recv(grad, src=nxt)
-                torch.autograd.backward(out, grad.to(out.dtype))
-            if hidden is not None:
-                assert hidden.grad is not None
-                pending.append(dist.isend(hidden.grad.contiguous(), dst=prev))
-        for work in pending:
-            work.wait()
+        run_schedule(
+            lambda i, hidden: self._stage(chunks[i], hidden),
+            [self._p2p_shape(c) for c in chunks],
+            on_output,
+            stages=self.sizes["pp"],
+            first=self.first,
+            last=self.last,
+            device=self.layout.device,
+            train=train,
+        )
 
     # -- Engine -----------------------------------------------------------------------------
     def _counts(self) -> bool:
@@ -329,62 +299,14 @@ class MegatronEngine(Engine):
         return [mine[i] for i in range(len(batch))]
 
     # -- gradients and the optimizer ---------------------------------------------------------
-    def _grad_groups(self) -> dict[str, list[torch.Tensor]]:
-        """Gradients by the collective that completes them."""
-        out: dict[str, list[torch.Tensor]] = {"dp_cp": [], "edp": [], "tp": [], "tied": []}
-        for name, p in self.model.gpt.named_parameters():
-            if p.grad is None:
-                continue
-            out["edp" if _is_expert(name) else "dp_cp"].append(p.grad)
-            if _tp_partial(name, p):
-                out["tp"].append(p.grad)
-            if (
-                self.sizes["pp"] > 1
-                and self.tied
-                and name in ("embedding.word_embeddings.weight", "output_layer.weight")
-            ):
-                out["tied"].append(p.grad)
-        return out
+    def _grad_plan(self) -> GradPlan:
+        return GradPlan(self.sizes, self.groups, tied=self.tied, world_size=self.layout.world_size)
 
     def _finalize_grads(self) -> None:
-        """Sum gradients over the ranks that hold copies of the same parameter."""
-        from megatron.core import parallel_state as ps
-
-        g = self._grad_groups()
-        plan = [
-            ("dp_cp", self.groups["dp_cp"]),
-            ("edp", self.groups["edp"]),
-            ("tp", self.groups["tp"]),
-            ("tied", ps.get_embedding_group() if g["tied"] else None),
-        ]
-        for key, group in plan:
-            if g[key] and group is not None and dist.get_world_size(group) > 1:
-                _all_reduce_flat(g[key], group)
-
-    def _copies(self, name: str) -> int:
-        """How many ranks hold this same parameter (and, after :meth:`_finalize_grads`, the
-        same gradient)."""
-        s = self.sizes
-        world = self.layout.world_size
-        if _is_expert(name):
-            return world // (s["pp"] * s["ep"] * s["etp"])
-        copies = world // s["pp"]
-        if convert.tp_split(name):
-            copies //= s["tp"]
-        if s["pp"] > 1 and self.tied and name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            copies *= 2
-        return copies
+        finalize_grads(self.model.gpt.named_parameters(), self._grad_plan())
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients, in one all-reduce over every rank: each rank
-        adds its local sums of squares divided by how many ranks hold that same tensor."""
-        total = torch.zeros((), dtype=torch.float32, device=self.layout.device)
-        for name, p in self.model.gpt.named_parameters():
-            if p.grad is not None:
-                total += p.grad.detach().float().square().sum() / self._copies(name)
-        if self.layout.world_size > 1:
-            dist.all_reduce(total)
-        return total.sqrt()
+        return grad_norm(self.model.gpt.named_parameters(), self._grad_plan(), device=self.layout.device)
 
     # -- checkpoints and export --------------------------------------------------------------
     def _own_file(self, path: Path) -> Path:
@@ -441,7 +363,7 @@ class MegatronEngine(Engine):
         dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
-            if dense or _is_expert(name):
+            if dense or is_expert(name):
                 pieces += convert.export_pieces(name, p, offset, self.shape, tied=self.tied)
         return pieces
 
@@ -502,7 +424,7 @@ class MegatronEngine(Engine):
         dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
-            if p.grad is not None and (dense or _is_expert(name)):
+            if p.grad is not None and (dense or is_expert(name)):
                 if name.startswith("output_layer.") and self.role == "critic":
                     pieces.append(("value_head." + name.split(".")[-1], 0, 0, 1, p.grad.detach().cpu().clone()))
                     continue
@@ -545,28 +467,3 @@ def _hf_param(state: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> 
             ]
         )
     return torch.stack([state[f"{base}.{e}.down_proj.weight"] for e in range(count)])
-
-
-def _is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
-def _tp_partial(name: str, p: torch.Tensor) -> bool:
-    """Whether each tensor rank holds only part of this replicated parameter's gradient:
-    norms and the router under sequence parallel (a rank saw ``1/t`` of the tokens; Megatron
-    marks them ``sequence_parallel``), q/k norms (a rank saw only its heads)."""
-    return bool(getattr(p, "sequence_parallel", False)) or "q_layernorm" in name or "k_layernorm" in name
-
-
-def _all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
-    """Sum ``tensors`` over ``group`` in one collective per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

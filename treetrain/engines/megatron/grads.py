@@ -1,0 +1,115 @@
+"""Gradients of the Megatron engine: which ranks hold copies of each parameter, the sums
+that complete them, and the global norm.
+
+Loss scaling divides every micro-batch by the batch's trained-token count, so gradients are
+*summed* (not averaged) over the ranks that hold copies of a parameter: data x context ranks
+for dense weights, expert-data ranks for experts, tensor ranks for replicated weights that
+saw only part of the tokens, and the first and last stage for a tied embedding / head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from treetrain.engines.megatron import convert
+
+TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class GradPlan:
+    """Megatron's grid as the gradient code reads it (``megatron.parallel`` sizes and groups)."""
+
+    sizes: dict[str, int]
+    groups: dict[str, Any]
+    tied: bool  # a tied embedding / head (actor or ref)
+    world_size: int
+
+    def split_tie(self, name: str) -> bool:
+        """Whether ``name`` is one copy of a tied embedding / head split over two stages."""
+        return self.sizes["pp"] > 1 and self.tied and name in TIED
+
+    def copies(self, name: str) -> int:
+        """How many ranks hold this same parameter (and, after :func:`finalize_grads`, the
+        same gradient)."""
+        s = self.sizes
+        if is_expert(name):
+            return self.world_size // (s["pp"] * s["ep"] * s["etp"])
+        copies = self.world_size // s["pp"]
+        if convert.tp_split(name):
+            copies //= s["tp"]
+        if self.split_tie(name):
+            copies *= 2
+        return copies
+
+
+def is_expert(name: str) -> bool:
+    return ".experts." in name
+
+
+def tp_partial(name: str, p: torch.Tensor) -> bool:
+    """Whether each tensor rank holds only part of this replicated parameter's gradient:
+    norms and the router under sequence parallel (a rank saw ``1/t`` of the tokens; Megatron
+    marks them ``sequence_parallel``), q/k norms (a rank saw only its heads)."""
+    return bool(getattr(p, "sequence_parallel", False)) or "q_layernorm" in name or "k_layernorm" in name
+
+
+def grad_groups(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan) -> dict[str, list[torch.Tensor]]:
+    """Gradients by the collective that completes them."""
+    out: dict[str, list[torch.Tensor]] = {"dp_cp": [], "edp": [], "tp": [], "tied": []}
+    for name, p in named:
+        if p.grad is None:
+            continue
+        out["edp" if is_expert(name) else "dp_cp"].append(p.grad)
+        if tp_partial(name, p):
+            out["tp"].append(p.grad)
+        if plan.split_tie(name):
+            out["tied"].append(p.grad)
+    return out
+
+
+def finalize_grads(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan) -> None:
+    """Sum gradients over the ranks that hold copies of the same parameter."""
+    from megatron.core import parallel_state as ps
+
+    g = grad_groups(named, plan)
+    steps = [
+        ("dp_cp", plan.groups["dp_cp"]),
+        ("edp", plan.groups["edp"]),
+        ("tp", plan.groups["tp"]),
+        ("tied", ps.get_embedding_group() if g["tied"] else None),
+    ]
+    for key, group in steps:
+        if g[key] and group is not None and dist.get_world_size(group) > 1:
+            all_reduce_flat(g[key], group)
+
+
+def grad_norm(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan, *, device: torch.device) -> torch.Tensor:
+    """The global L2 norm of the gradients, in one all-reduce over every rank: each rank
+    adds its local sums of squares divided by how many ranks hold that same tensor."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for name, p in named:
+        if p.grad is not None:
+            total += p.grad.detach().float().square().sum() / plan.copies(name)
+    if plan.world_size > 1:
+        dist.all_reduce(total)
+    return total.sqrt()
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in one collective per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
