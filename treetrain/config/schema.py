@@ -25,6 +25,7 @@ BehavWeightMode = Literal["token-mask", "token-truncate", "sequence-mask", "sequ
 DType = Literal["float32", "bfloat16", "float16"]
 WeightSyncMethod = Literal["distributed", "disk"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo"]
+PipelineSchedule = Literal["1f1b", "gpipe"]
 
 DEFAULT_BLOCK_SIZE = 128
 MAX_BACKEND = 128  # characters of a backend string (bounds the CRD's CEL rules too)
@@ -56,6 +57,11 @@ class ModelSettings(Section):
         description="Compute dtype; with FSDP over several ranks, bfloat16 keeps fp32 master weights.",
     )
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass.")
+    pipeline_schedule: PipelineSchedule = Field(
+        default="1f1b",
+        description="Training order of pipeline stages (archon, megatron with p>1): 1f1b alternates forwards "
+        "and backwards (stage s holds at most p - s micro-batches' activations); gpipe runs every forward first.",
+    )
 
 
 # -- engines ------------------------------------------------------------------------------
