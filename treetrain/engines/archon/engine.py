@@ -14,9 +14,8 @@ of a tree is the sum of its context ranks' parts.
 from __future__ import annotations
 
 import json
-import math
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta, resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
@@ -55,6 +54,7 @@ from treetrain.engines.base import (
 )
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource
+from treetrain.engines.grads import grad_norm
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackedTree
 
@@ -546,35 +546,3 @@ def _check_layout(args: ModelArgs, layout: ArchonLayout) -> None:
         )
     if layout.ep * layout.etp > 1:
         check_ep(args, layout.allocation.dims)
-
-
-# -- gradients -------------------------------------------------------------------------------
-
-
-def grad_norm(params: Iterable[torch.Tensor], *, stages: int = 1, device: torch.device | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients in one all-reduce over all ranks.
-
-    Each rank adds its local sums of squares divided by the number of ranks holding that same
-    tensor: the ranks of its pipeline stage (``world / stages``) over the distinct pieces of a
-    DTensor (FSDP shards, tensor-parallel shards), so every distinct piece counts once.
-    """
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    holders = world // stages
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        copies = holders
-        if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
-            copies = holders // math.prod(
-                g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate()
-            )
-            g = g.to_local()
-        if g.numel():
-            total += g.detach().float().pow(2).sum().to(total.device) / copies
-    if world > 1:
-        dist.all_reduce(total)
-    return total.sqrt()

@@ -10,9 +10,10 @@ Build engines with :func:`treetrain.engines.build_engine`.
 """
 
 from treetrain.engines.base import ROLES
-from treetrain.engines.fsdp.engine import FSDPEngine, grad_norm
+from treetrain.engines.fsdp.engine import FSDPEngine
 from treetrain.engines.fsdp.model import ModelSource, ValueModel, build_model, hf_config, load_sharded
 from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, mixed_precision, parallelize, param_dtype
+from treetrain.engines.grads import grad_norm
 
 __all__ = [
     "ROLES",

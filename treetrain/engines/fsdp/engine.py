@@ -11,9 +11,8 @@ same trees.
 
 from __future__ import annotations
 
-import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta, resolve, tree_forward
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
@@ -39,6 +38,7 @@ from treetrain.engines.base import (
 )
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import ModelSource, build_parallel
+from treetrain.engines.grads import grad_norm
 from treetrain.engines.parallel import ParallelLayout
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackedTree
@@ -246,58 +246,3 @@ class FSDPEngine(Engine):
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             out[name] = g.detach().cpu().clone()
         return out
-
-
-# -- gradients ------------------------------------------------------------------------------
-
-
-def _local_grads(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    """Each gradient's local tensor and how many ranks hold that same tensor (its copies).
-
-    A DTensor's local shard is one of ``prod(mesh sizes of its sharded placements)`` distinct
-    pieces, each held by ``world / pieces`` ranks (the mesh may be a sub-mesh of the world:
-    FSDP's dp mesh inside a dp x tp grid is replicated over tp); a plain tensor is the same
-    on all ``world`` ranks (replicated modules under tensor parallel, or one process).
-    """
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    out = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
-                # A pending sum: reduce it first (a collective; never the case after FSDP's
-                # reduce-scatter or tensor parallel's backward, so never paid here).
-                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
-            # Every placement but Replicate splits the tensor over its mesh dimension: Shard, and
-            # FSDP2's _StridedShard over dp in a dp x tp grid (which is not a Shard subclass).
-            pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
-            out.append((g.to_local(), world // pieces))
-        else:
-            out.append((g, world))
-    return out
-
-
-def grad_norm(params: Iterable[torch.Tensor], *, device: torch.device | None = None) -> torch.Tensor:
-    """Global L2 norm of the gradients, whatever mix of plain, FSDP and TP tensors they are,
-    as a 0-d fp32 tensor on ``device`` (default: the gradients' device).
-
-    One collective: every rank adds its local sums of squares, each divided by the number of
-    ranks holding that same tensor, so the sum over ranks counts every distinct shard once;
-    one ``all_reduce`` (sum) over the default group adds them up.
-    """
-    grads = _local_grads(params)
-    if device is None:
-        device = grads[0][0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    by_copies: dict[int, list[torch.Tensor]] = {}
-    for g, copies in grads:
-        if g.numel():
-            by_copies.setdefault(copies, []).append(g.detach())
-    for copies, tensors in by_copies.items():
-        norms = torch.stack(torch.foreach.norm(tensors, dtype=torch.float32)).to(device)
-        total += norms.square().sum() / copies
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
