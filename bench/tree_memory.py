@@ -19,7 +19,9 @@ import json
 import resource
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
@@ -40,6 +42,64 @@ def _rss_mib() -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves for the backward, counted while inside this
+    context: ``now`` alive, ``peak`` the most alive at once. Each storage counts once however
+    many saved tensors view it; ``exclude`` (the parameters) is left out, so what remains is
+    activations. Deterministic: a saved tensor stops counting when autograd drops it (CPython
+    frees it at once), independent of the allocator."""
+
+    def __init__(self, exclude: Iterable[Any] = ()) -> None:
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.refs: dict[int, list[int]] = {}  # storage address -> [saved tensors on it, bytes]
+        self.now = self.peak = 0
+        self._hooks: Any = None
+
+    def __enter__(self) -> SavedBytes:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: Any) -> Any:
+        key = t.untyped_storage().data_ptr()
+        if key == 0 or key in self.skip:
+            return t
+        ref = self.refs.setdefault(key, [0, t.untyped_storage().nbytes()])
+        if ref[0] == 0:
+            self.now += ref[1]
+            self.peak = max(self.peak, self.now)
+        ref[0] += 1
+        return _Saved(self, t, key)
+
+    @staticmethod
+    def _unpack(saved: Any) -> Any:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def release(self, key: int) -> None:
+        ref = self.refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.now -= ref[1]
+            del self.refs[key]
+
+
+class _Saved:
+    """One saved tensor; when autograd frees it, its meter counts it out."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, meter: SavedBytes, tensor: Any, key: int) -> None:
+        self.meter, self.tensor, self.key = meter, tensor, key
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
 
 
 def one(engine: str, kind: str, tokens: int, vocab: int) -> dict[str, object]:
