@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from treetrain.engines.fsdp import ModelSource, build_model
+from treetrain.engines.fsdp import build_model
+from treetrain.engines.source import ModelSource
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import Task, load_task
 

@@ -16,7 +16,8 @@ import torch
 
 from treetrain.config import ModelSettings
 from treetrain.engines import EngineConfigError, builtin
-from treetrain.engines.fsdp import ModelSource, build_model
+from treetrain.engines.fsdp import build_model
+from treetrain.engines.source import ModelSource
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import ArithmeticTask, TaskError, load_task
 

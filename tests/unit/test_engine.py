@@ -13,7 +13,8 @@ import treetrain
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import EngineConfigError, build_engine
 from treetrain.engines.base import TrainBatch
-from treetrain.engines.fsdp import FSDPEngine, ModelSource, grad_norm
+from treetrain.engines.fsdp import FSDPEngine, grad_norm
+from treetrain.engines.source import ModelSource
 from treetrain.rl.losses import PPOLoss
 
 SEQS = [[1, 9, 12, 30, 31, 32], [1, 9, 12, 40, 41], [1, 9, 50, 51, 52, 53, 54]]

@@ -7,7 +7,7 @@ token positions). :mod:`treetrain.attention` and :mod:`treetrain.logprob` turn t
 metadata into tensors.
 """
 
-from treetrain.tree.layout import PAD_TOKEN_ID, PackedTree, layout_tree
+from treetrain.tree.layout import PAD_TOKEN_ID, PackedTree, layout_tree, pad_tree
 from treetrain.tree.pack import (
     PackConfig,
     PackedBatch,
@@ -29,5 +29,6 @@ __all__ = [
     "layout_tree",
     "pack",
     "pack_stats",
+    "pad_tree",
     "trie_order",
 ]

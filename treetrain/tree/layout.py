@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PAD_TOKEN_ID = 0
 
@@ -130,4 +130,24 @@ def layout_tree(
         node_parent=node_parent,
         seq_offsets=seq_offsets,
         seq_tokens=seq_tokens,
+    )
+
+
+def pad_tree(tree: PackedTree, length: int) -> PackedTree:
+    """``tree`` padded to ``length`` tokens with the layout's padding (id ``PAD_TOKEN_ID``,
+    position 0, node -1, each token attending only to itself): no real token's result changes.
+    Returns ``tree`` itself when it is already ``length`` long; a shorter ``length`` than
+    ``tree.padded_len`` is a ``ValueError`` (padding is never cut)."""
+    extra = length - tree.padded_len
+    if extra < 0:
+        raise ValueError(f"cannot pad a tree of {tree.padded_len} tokens to {length}: padding is never cut")
+    if extra == 0:
+        return tree
+    return replace(
+        tree,
+        padded_len=length,
+        input_ids=[*tree.input_ids, *[PAD_TOKEN_ID] * extra],
+        position_ids=[*tree.position_ids, *[0] * extra],
+        token_node=[*tree.token_node, *[-1] * extra],
+        token_end=[*tree.token_end, *range(tree.padded_len + 1, length + 1)],
     )

@@ -30,7 +30,7 @@ from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSetti
 from treetrain.engines import checkpoint_files as files
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
-from treetrain.engines.archon.model.hf import SafetensorsDir, from_hf, from_hf_state, to_hf
+from treetrain.engines.archon.model.hf import from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
 from treetrain.engines.archon.parallelize import check_ep, check_tp, parallelize
 from treetrain.engines.archon.pipeline import (
@@ -53,8 +53,8 @@ from treetrain.engines.base import (
     check_role,
 )
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.fsdp.model import ModelSource
 from treetrain.engines.grads import grad_norm
+from treetrain.engines.source import ModelSource, SafetensorsFiles
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackedTree
 
@@ -178,7 +178,7 @@ class ArchonEngine(Engine):
         if self.source.directory is not None:
             state = from_hf(
                 names,
-                SafetensorsDir(self.source.directory),
+                SafetensorsFiles(self.source.directory),
                 n_experts=args.n_experts,
                 tie_embeddings=args.tie_embeddings,
             )
@@ -262,7 +262,15 @@ class ArchonEngine(Engine):
             scalar = on_run(padded[i], self._outputs(xs[i], raw, entropy=entropy))
             return scalar if scalar is not None else torch.zeros((), device=raw.device)
 
-        run_schedule(self.model, self.layout, shapes, [(x.tokens_n, x.kwargs) for x in xs], on_output, train=train)
+        run_schedule(
+            self.model,
+            self.layout,
+            shapes,
+            [(x.tokens_n, x.kwargs) for x in xs],
+            on_output,
+            train=train,
+            schedule=self.settings.pipeline_schedule,
+        )
 
     def _transformer(self) -> Transformer:
         assert isinstance(self.model, Transformer)

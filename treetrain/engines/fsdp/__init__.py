@@ -1,7 +1,6 @@
 """The FSDP engine, split the way torchtitan splits a model:
 
-- :mod:`.model`: where the model comes from (:class:`ModelSource`, resolved once), building
-  it (:func:`build_model`, :class:`ValueModel` for the critic) and loading it sharded;
+- :mod:`.model`: building the model from a resolved :class:`~treetrain.engines.source.ModelSource` (:func:`build_model`, :class:`ValueModel` for the critic) and loading it sharded;
 - :mod:`.parallelize`: tensor parallel, then FSDP2 with mixed precision (:func:`parallelize`);
 - :mod:`.engine`: :class:`FSDPEngine` (packing, micro-batches, optimizer, checkpoints) and the
   one-collective :func:`grad_norm`.
@@ -11,14 +10,13 @@ Build engines with :func:`treetrain.engines.build_engine`.
 
 from treetrain.engines.base import ROLES
 from treetrain.engines.fsdp.engine import FSDPEngine
-from treetrain.engines.fsdp.model import ModelSource, ValueModel, build_model, hf_config, load_sharded
+from treetrain.engines.fsdp.model import ValueModel, build_model, hf_config, load_sharded
 from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, mixed_precision, parallelize, param_dtype
 from treetrain.engines.grads import grad_norm
 
 __all__ = [
     "ROLES",
     "FSDPEngine",
-    "ModelSource",
     "ValueModel",
     "apply_fsdp",
     "apply_tp",

@@ -37,9 +37,10 @@ from treetrain.engines.base import (
     check_role,
 )
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.fsdp.model import ModelSource, build_parallel
+from treetrain.engines.fsdp.model import build_parallel
 from treetrain.engines.grads import grad_norm
 from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.source import ModelSource
 from treetrain.logprob import TreeTensors, gather_logprobs, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackedTree
 

@@ -1,8 +1,5 @@
-"""Where the model comes from: a Hugging Face directory (or hub name) or ``builtin:NAME``.
-
-:meth:`ModelSource.resolve` looks the path up once (a packaged built-in model is converted
-into the cache on first use; its Hugging Face config is read) and everything below takes
-that resolved object: :func:`build_model` (one role's model, on the CPU or the meta device)
+"""Building the FSDP engine's Hugging Face model from a resolved
+:class:`~treetrain.engines.source.ModelSource`: :func:`build_model` (one role's model, on the CPU or the meta device)
 and :func:`load_sharded` (several ranks, weights read by rank 0 only).
 """
 
@@ -10,8 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,67 +15,10 @@ from torch import nn
 
 from treetrain.attention import use_tree_attention
 from treetrain.config import ModelSettings
-from treetrain.engines import builtin
 from treetrain.engines.base import check_role
-from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.parallelize import compute_dtype, parallelize, param_dtype
 from treetrain.engines.parallel import ParallelLayout
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    """A model path, resolved once: its settings, its directory and its Hugging Face config.
-
-    ``random``: a random built-in model (``builtin:tiny-llama``), built from ``config`` alone,
-    with no directory (``directory`` is None). Otherwise ``directory`` is what transformers
-    loads: the path itself, or the cache directory a packaged built-in model was converted into.
-    """
-
-    settings: ModelSettings
-    directory: str | None
-    config: Any  # transformers.PretrainedConfig, attention dropout off; build_model copies it
-    random: bool
-
-    @property
-    def path(self) -> str:
-        return self.settings.path
-
-    @classmethod
-    def resolve(cls, model: ModelSettings | str, log: Callable[[str], None] | None = None) -> ModelSource:
-        """Check the path, convert a packaged built-in model on first use, read the config."""
-        from transformers import AutoConfig
-
-        settings = ModelSettings(path=model) if isinstance(model, str) else model
-        builtin.check_path(settings.path)
-        fields = builtin.random_config(settings.path)
-        if fields is not None:
-            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-            directory = None
-        else:
-            directory = builtin.local_dir(settings.path, log)
-            try:
-                config = AutoConfig.from_pretrained(directory)
-            except (OSError, ValueError) as err:
-                raise EngineConfigError(
-                    f"cannot load model.path {settings.path!r}: {err}. Give a local Hugging Face model directory "
-                    f"(config.json + weights), a hub name this machine can download, or one of "
-                    f"{', '.join(builtin.PREFIX + n for n in builtin.NAMES)}"
-                ) from None
-        config.attention_dropout = 0.0
-        return cls(settings=settings, directory=directory, config=config, random=directory is None)
-
-    def load_tokenizer(self) -> Any | None:
-        """The model's tokenizer; None for a random built-in model, which has none."""
-        if self.directory is None:
-            return None
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(self.directory)
-        except (OSError, ValueError) as err:
-            raise EngineConfigError(
-                f"cannot load a tokenizer from model.path {self.path!r} ({self.directory}): {err}"
-            ) from None
+from treetrain.engines.source import ModelSource
 
 
 def hf_config(model: ModelSource | ModelSettings | str) -> Any:

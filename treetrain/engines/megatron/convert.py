@@ -17,11 +17,9 @@ is a concatenation of contiguous row or column ranges of Hugging Face tensors.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,40 +30,9 @@ from treetrain.engines.errors import EngineConfigError
 Read = Callable[[str, int, int, int], torch.Tensor]
 
 
-class SafetensorsReader:
-    """Slices of the tensors of a Hugging Face directory, read lazily file by file."""
-
-    def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
-        root = Path(directory)
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = [p.name for p in sorted(root.glob("*.safetensors"))]
-            if not files:
-                raise EngineConfigError(f"{root} has no *.safetensors weights: the megatron engine reads safetensors")
-        self._handles = {name: safe_open(str(root / name), framework="pt") for name in files}
-        self._where = {key: name for name, h in self._handles.items() for key in h.keys()}  # type: ignore[no-untyped-call]  # noqa: SIM118
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __call__(self, name: str, dim: int, index: int, parts: int) -> torch.Tensor:
-        if name not in self._where:
-            raise EngineConfigError(f"the checkpoint has no tensor {name!r}")
-        piece = self._handles[self._where[name]].get_slice(name)  # type: ignore[no-untyped-call]
-        shape = piece.get_shape()
-        size = shape[dim] // parts
-        lo, hi = index * size, (index + 1) * size
-        out: torch.Tensor = piece[lo:hi] if dim == 0 else piece[:, lo:hi]
-        return out.float()
-
-
 class StateDictReader:
-    """The same interface over an in-memory state dict (random built-in models)."""
+    """A :data:`Read` over an in-memory state dict (random built-in models); a directory's
+    weights are read by :class:`~treetrain.engines.source.SafetensorsFiles`."""
 
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         self.state = state

@@ -31,15 +31,17 @@ import torch.distributed as dist
 from treetrain.attention import TreeAttentionMeta, resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import checkpoint_files as files
-from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, adamw, check_role
+from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.fsdp.model import ModelSource, build_model
+from treetrain.engines.fsdp.model import build_model
 from treetrain.engines.megatron import convert
-from treetrain.engines.megatron.grads import GradPlan, finalize_grads, grad_norm, is_expert
+from treetrain.engines.megatron.grads import GradPlan, build_optimizer, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
 from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
 from treetrain.engines.megatron.schedule import run_schedule
+from treetrain.engines.source import ModelSource, SafetensorsFiles
+from treetrain.engines.zero import ShardedAdamW
 from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PAD_TOKEN_ID, PackedBatch, PackedTree
 
@@ -96,7 +98,9 @@ class MegatronEngine(Engine):
         self.hidden_size = int(hf.hidden_size)
         self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
         self.optim = optimizer
-        self.optimizer = adamw(self.model, optimizer)
+        self.optimizer = build_optimizer(
+            self.model, list(self.model.gpt.named_parameters()), self._grad_plan(), optimizer
+        )
         self.steps = 0
         self._sampler: torch.nn.Module | None = None
 
@@ -114,7 +118,7 @@ class MegatronEngine(Engine):
         is built whole on every rank, it is tiny)."""
         read: Any
         if self.source.directory is not None:
-            read = convert.SafetensorsReader(self.source.directory)
+            read = SafetensorsFiles(self.source.directory)
         else:
             read = convert.StateDictReader(build_model(self.source, "actor", dtype=torch.float32).state_dict())
         offset = self._layer_offset()
@@ -213,6 +217,7 @@ class MegatronEngine(Engine):
             last=self.last,
             device=self.layout.device,
             train=train,
+            schedule=self.settings.pipeline_schedule,
         )
 
     # -- Engine -----------------------------------------------------------------------------
@@ -303,9 +308,12 @@ class MegatronEngine(Engine):
         return GradPlan(self.sizes, self.groups, tied=self.tied, world_size=self.layout.world_size)
 
     def _finalize_grads(self) -> None:
-        finalize_grads(self.model.gpt.named_parameters(), self._grad_plan())
+        sharded = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
+        finalize_grads(self.model.gpt.named_parameters(), self._grad_plan(), sharded)
 
     def grad_norm(self) -> torch.Tensor:
+        if isinstance(self.optimizer, ShardedAdamW):  # the summed shards, each element once
+            return self.optimizer.grad_norm(self.layout.device)
         return grad_norm(self.model.gpt.named_parameters(), self._grad_plan(), device=self.layout.device)
 
     # -- checkpoints and export --------------------------------------------------------------

@@ -10,15 +10,11 @@ time, memory-mapped: each rank reads only the tensors its pipeline stage holds.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from treetrain.engines.errors import EngineConfigError
 
 _PLAIN = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -65,41 +61,8 @@ def expert_names(name: str, n_experts: int) -> list[str]:
     return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT[w]}.weight" for e in range(n_experts)]
 
 
-class SafetensorsDir:
-    """The tensors of a Hugging Face directory (one file or an index of shards), read lazily."""
-
-    def __init__(self, directory: str | Path) -> None:
-        self.dir = Path(directory)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif (self.dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(self.dir / "model.safetensors"), "pt") as f:
-                weight_map = dict.fromkeys(f.keys(), "model.safetensors")
-        else:
-            raise EngineConfigError(f"{self.dir} has no safetensors weights (model.safetensors or its index)")
-        self.weight_map = weight_map
-        self._open: dict[str, Any] = {}
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.weight_map
-
-    def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file = self.weight_map.get(key)
-        if file is None:
-            raise EngineConfigError(f"{self.dir} has no tensor {key!r}; is it a {key.split('.')[0]} checkpoint?")
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.dir / file), "pt")
-        tensor: torch.Tensor = self._open[file].get_tensor(key)
-        return tensor
-
-
 def from_hf(names: Iterable[str], read: Any, *, n_experts: int, tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Our state dict for ``names`` from ``read(hf_key) -> tensor`` (a :class:`SafetensorsDir`
+    """Our state dict for ``names`` from ``read(hf_key) -> tensor`` (a :class:`~treetrain.engines.source.SafetensorsFiles`
     or a dict, on disk or in transformers' memory layout)."""
     out: dict[str, torch.Tensor] = {}
     for name in names:
