@@ -9,14 +9,17 @@ saw only part of the tokens, and the first and last stage for a tied embedding /
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from treetrain.config import OptimizerSettings
+from treetrain.engines.base import adamw
 from treetrain.engines.megatron import convert
+from treetrain.engines.zero import Bucket, ShardedAdamW
 
 TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -73,20 +76,54 @@ def grad_groups(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan) -> di
     return out
 
 
-def finalize_grads(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan) -> None:
-    """Sum gradients over the ranks that hold copies of the same parameter."""
+def finalize_grads(
+    named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan, sharded: ShardedAdamW | None = None
+) -> None:
+    """Sum gradients over the ranks that hold copies of the same parameter. With a
+    ``sharded`` optimizer the data-parallel sums are its reduce-scatter (each rank then holds
+    its shard summed), after the tensor and tied sums on the whole local gradients."""
     from megatron.core import parallel_state as ps
 
+    if sharded is not None:
+        sharded.attach_grads()
     g = grad_groups(named, plan)
+    data = [] if sharded is not None else [("dp_cp", plan.groups["dp_cp"]), ("edp", plan.groups["edp"])]
     steps = [
-        ("dp_cp", plan.groups["dp_cp"]),
-        ("edp", plan.groups["edp"]),
+        *data,
         ("tp", plan.groups["tp"]),
         ("tied", ps.get_embedding_group() if g["tied"] else None),
     ]
     for key, group in steps:
         if g[key] and group is not None and dist.get_world_size(group) > 1:
             all_reduce_flat(g[key], group)
+    if sharded is not None:
+        sharded.reduce_grads()
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    named: Sequence[tuple[str, torch.nn.Parameter]],
+    plan: GradPlan,
+    settings: OptimizerSettings | None,
+) -> torch.optim.Optimizer | None:
+    """The engine's AdamW: sharded over the data ranks (:class:`ShardedAdamW`, dense weights
+    over data x context, experts over expert-data) when either group has more than one rank,
+    else ``torch.optim.AdamW``. ``named``: every parameter of ``model`` by Megatron name."""
+    dense = [(n, p) for n, p in named if not is_expert(n)]
+    experts = [(n, p) for n, p in named if is_expert(n)]
+    wide = [g for g, part in ((plan.groups["dp_cp"], dense), (plan.groups["edp"], experts)) if part]
+    if settings is None or all(dist.get_world_size(g) == 1 for g in wide):
+        return adamw(model, settings)
+    if {id(p) for p in model.parameters()} != {id(p) for _, p in named}:
+        raise ValueError("the sharded optimizer needs every parameter of the model by name")
+    return ShardedAdamW(
+        [Bucket(dense, plan.groups["dp_cp"]), Bucket(experts, plan.groups["edp"])],
+        lr=settings.lr,
+        betas=(settings.betas[0], settings.betas[1]),
+        eps=settings.eps,
+        weight_decay=settings.weight_decay,
+        copies=plan.copies,
+    )
 
 
 def grad_norm(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan, *, device: torch.device) -> torch.Tensor:

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from treetrain.attention import TreeAttentionMeta, get
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.zero import reduce_scatter_sum
 
 with warnings.catch_warnings():
     # megatron-core warns at import time that TransformerEngine and Apex are missing (CPU, tests).
@@ -287,13 +289,34 @@ class TreeCoreAttention(nn.Module):
         kv_2KND = torch.stack((key[:, 0], value[:, 0])).transpose(1, 2)
         cp = ps.get_context_parallel_world_size()
         if cp > 1:
-            from torch.distributed.nn.functional import all_gather
-
             # One autograd collective for K and V together (two separate ones gave wrong gradients).
-            parts = all_gather(kv_2KND.contiguous(), group=ps.get_context_parallel_group())  # type: ignore[no-untyped-call]
-            kv_2KND = torch.cat(parts, dim=2)
+            kv_2KND = _GatherRows.apply(kv_2KND.contiguous(), ps.get_context_parallel_group())
         out_HND = tree_rows(q_HND, kv_2KND[0], kv_2KND[1], tree, self.scale)
         return out_HND.transpose(0, 1).reshape(n, 1, -1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every context rank's rows (dim 2) concatenated in rank order; the backward sums each
+    rank's slice of the gradient over the ranks (:func:`treetrain.engines.zero.reduce_scatter_sum`).
+    Not torch's ``torch.distributed.nn.all_gather``: on gloo its backward scatters from group
+    ranks as if they were global ones, which fails on any group without rank 0 (``d2c2``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        size = dist.get_world_size(ctx.group)
+        flat = torch.cat([part.reshape(-1) for part in grad.chunk(size, dim=2)])
+        out = torch.empty(flat.numel() // size, dtype=grad.dtype, device=grad.device)
+        reduce_scatter_sum(out, flat, ctx.group)
+        shape = list(grad.shape)
+        shape[2] //= size
+        return out.view(shape), None
 
 
 def tree_rows(
