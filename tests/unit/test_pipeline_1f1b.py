@@ -79,12 +79,6 @@ def test_the_stages_never_wait_on_each_other(schedule: Schedule, stages: int, mi
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
 
-def _params(engine: Any) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return [p.to_local() if isinstance(p, DTensor) else p for p in engine.model.parameters()]
-
-
 def _compare(backend: str, root: Path) -> dict[str, int]:
     """Both schedules through one engine: results identical; the saved-activation peaks."""
     import torch.distributed as dist
@@ -109,7 +103,7 @@ def _compare(backend: str, root: Path) -> dict[str, int]:
     peaks: dict[str, int] = {}
     for schedule in ("gpipe", "1f1b"):
         engine.settings = engine.settings.model_copy(update={"pipeline_schedule": schedule})
-        with SavedBytes(exclude=_params(engine)) as meter:
+        with SavedBytes(exclude=engine.model.parameters()) as meter:
             stats = engine.forward_backward(batch, loss)
         assert meter.now == 0, (backend, schedule, meter.now)  # every saved tensor was used and freed
         got[schedule] = (stats, engine.full_grads())
