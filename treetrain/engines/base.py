@@ -12,20 +12,35 @@ it fixes before the micro-batch loop, so uneven micro-batches still give the bat
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from treetrain.config import OptimizerSettings, TreeTrainingSettings
+from treetrain.attention import resolve
+from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.engines import checkpoint_files as files
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.grads import dtensor_pieces, global_norm
 from treetrain.engines.parallel import ParallelLayout
-from treetrain.tree import PackConfig, PackedBatch, pack
+from treetrain.engines.source import ModelSource
+from treetrain.logprob import pack_sequence_tensors, unpack_sequence_tensors
+from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
 
-__all__ = ["ROLES", "Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "check_role"]
+__all__ = [
+    "ROLES",
+    "Engine",
+    "EngineConfigError",
+    "Loss",
+    "MicroBatchOutput",
+    "MicroBatchRun",
+    "StepStats",
+    "TrainBatch",
+    "check_role",
+]
 
 # actor: trained, log-probs; critic: trained, values; ref: frozen, log-probs.
 ROLES = ("actor", "critic", "ref")
@@ -165,9 +180,39 @@ class StepStats:
         return self.tree_tokens / self.original_tokens if self.original_tokens else 1.0
 
 
-class Engine(ABC):
-    """Build from a model and a parallel strategy; train with or without tree packing."""
+@dataclass(slots=True)
+class MicroBatchRun:
+    """One micro-batch's outputs on this rank, what an engine's schedule hands the core.
 
+    ``sel_M``: which of the tree's M gathered positions this rank holds (context parallel:
+    the positions whose predicting row is on this rank; None: all of them, in order).
+    ``anchor``: a zero that touches every output row, so that backward reaches every layer
+    and collective even when this rank gathered nothing. ``aux``: a loss term of the whole
+    micro-batch outside the token loss (the MoE load-balancing loss, already weighted)."""
+
+    tree: PackedTree
+    out: MicroBatchOutput
+    anchor: torch.Tensor
+    sel_M: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+
+
+# Called by a schedule for micro-batch ``i`` (on the last pipeline stage); training: returns
+# the scalar to backward, already scaled; forward only: None.
+OnRun = Callable[[int, MicroBatchRun], "torch.Tensor | None"]
+
+
+class Engine(ABC):
+    """Build from a model and a parallel strategy; train with or without tree packing.
+
+    The core owns the lifecycle once: the constructor prologue, ``forward`` and
+    ``forward_backward`` over micro-batches (stats through :class:`StatTotals`), ``step`` with
+    one gradient norm, ``save`` / ``load`` (every RNG state, the torn-checkpoint error the
+    trainer's fallback needs) and the local-rollout sampler. An engine supplies hooks: how to
+    build its model, how one micro-batch (or a pipeline schedule of them) runs, which ranks
+    hold copies of each gradient, and how its state reaches and leaves the disk."""
+
+    engine_name: ClassVar[str]  # the backend prefix; written into checkpoints
     # What the trainer reads of every engine.
     layout: ParallelLayout  # this process's place in the backend's grid
     model: torch.nn.Module  # the (sharded) module; local rollout samples from an actor's
@@ -180,24 +225,46 @@ class Engine(ABC):
     optim: OptimizerSettings | None  # None: forward only (a reference model)
     optimizer: torch.optim.Optimizer | None
 
+    def __init__(
+        self,
+        model: ModelSettings | ModelSource,
+        layout: ParallelLayout,
+        tree: TreeTrainingSettings,
+        optimizer: OptimizerSettings | None = None,
+        *,
+        role: str = "actor",
+    ) -> None:
+        """Everything every engine checks and sets before it builds its model: the role, the
+        resolved model source, the tree settings, the engine's own layout checks
+        (:meth:`_prepare`), the attention backend (a trained role needs one with a backward
+        on this device: that fails here, not in the first step) and the packer's capacity."""
+        check_role(role)
+        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        self.settings = self.source.settings
+        self.layout = layout
+        self.tree = tree
+        self.role = role
+        self.block_size = tree.block_size
+        self._prepare()
+        self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
+        self._pack_config(tree=True)  # the packer's message when max_tokens_per_mb does not fit
+        self.optim = optimizer
+        self.optimizer = None
+        self.steps = 0
+        self._sampler: torch.nn.Module | None = None
+
+    def _prepare(self) -> None:
+        """Engine checks of the model against the layout, before anything is built."""
+        return
+
+    def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
+        """The optimizer, once :attr:`model` is built (None: forward only)."""
+        return adamw(self.model, settings)
+
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """The model's vocabulary size (a task's token ids must stay below it)."""
-
-    def sampling_model(self) -> torch.nn.Module:
-        """What local rollout samples from: a module called like a Hugging Face causal LM
-        (attention masks, KV caches), kept up to date with the trained weights. The default is
-        :attr:`model` itself (a transformers model); engines with their own models return one."""
-        return self.model
-
-    @abstractmethod
-    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
-        """Accumulate gradients of ``loss`` over ``batch``; ``tree`` overrides the config."""
-
-    @abstractmethod
-    def forward(self, batch: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Per-sequence log-probs (actor) or values (critic), no grad, input order."""
+        return int(self.source.config.vocab_size)
 
     # -- packing ---------------------------------------------------------------------------
     def _pack_config(self, *, tree: bool) -> PackConfig:
@@ -217,10 +284,147 @@ class Engine(ABC):
         use_tree = self.tree.enabled if tree is None else tree
         return pack(sequences, self._pack_config(tree=use_tree))
 
+    # -- micro-batches: the hooks ------------------------------------------------------------
+    def _micro_batches(self, packed: PackedBatch) -> list[PackedTree]:
+        """This rank's trees, in the order its schedule runs them."""
+        return packed.rank_trees(self.layout.dp_rank)
+
+    def _run(self, tree: PackedTree, *, entropy: bool) -> MicroBatchRun:
+        """One micro-batch through the whole model (engines without their own schedule)."""
+        raise NotImplementedError(f"{type(self).__name__} runs micro-batches through its own _schedule")
+
+    def _schedule(self, trees: Sequence[PackedTree], on_run: OnRun, *, entropy: bool, train: bool) -> None:
+        """Run every micro-batch, hand each one's outputs to ``on_run`` and (``train``)
+        backward what it returns. The default: one after the other through :meth:`_run`."""
+        for i, tree in enumerate(trees):
+            scalar = on_run(i, self._run(tree, entropy=entropy))
+            if train and scalar is not None:
+                torch.autograd.backward(scalar)
+
+    def _averaged_over(self) -> int:
+        """How many ranks' gradients the engine's backward averages (FSDP: its shard group);
+        the loss is scaled up by as many, so the result is the batch's sum. 1: summed."""
+        return 1
+
+    def _after_backward(self) -> None:
+        """Complete the gradients after the last micro-batch (sums over ranks)."""
+        return
+
+    def _last_stage(self) -> bool:
+        """Whether this rank runs the model's head (sees the loss and the outputs)."""
+        return True
+
+    def _stat_group(self) -> Any:
+        """The ranks (of one pipeline stage) whose loss parts add up to the batch's: data and
+        context ranks (None: this process alone)."""
+        return None
+
+    def _pp_group(self) -> Any:
+        """The pipeline group (None: one stage); figures go from the last stage to the others."""
+        return None
+
+    def _cp_group(self) -> Any:
+        """The context-parallel group (each position's output is on one of its ranks)."""
+        return None
+
+    def _owns_outputs(self) -> bool:
+        """Whether this rank's forward outputs are sent to the others (one holder suffices)."""
+        return self._last_stage()
+
+    # -- forward_backward and forward ------------------------------------------------------
+    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
+        """Accumulate gradients of ``loss`` over ``batch``; ``tree`` overrides the config.
+
+        One global token count, fixed before the micro-batch loop (every rank holds the whole
+        batch), divides every micro-batch's loss sum, so uneven micro-batches and ranks still
+        give the gradient of the batch mean."""
+        if self.optimizer is None:
+            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot train")
+        self.model.train()
+        packed = self.pack(batch.sequences, tree=tree)
+        total = max(batch.num_loss_tokens(), 1)
+        scale = self._averaged_over() / total
+        device = self.layout.device
+        totals = StatTotals(device)
+        trees = self._micro_batches(packed)
+
+        def on_run(i: int, run: MicroBatchRun) -> torch.Tensor:
+            mask_M = pack_sequence_tensors(run.tree, batch.loss_mask).to(device)
+            inputs = {k: pack_sequence_tensors(run.tree, v).to(device) for k, v in batch.tensors.items()}
+            if run.sel_M is not None:
+                mask_M = mask_M[run.sel_M]
+                inputs = {k: v[run.sel_M] for k, v in inputs.items()}
+            mb_loss, stats = loss(run.out, mask_M, inputs)
+            totals.add({LOSS_STAT: mb_loss, **stats})
+            # The auxiliary loss is a mean per micro-batch: weighted to count once per batch.
+            extra = run.anchor if run.aux is None else run.anchor + run.aux * total / len(trees)
+            return (mb_loss + extra) * scale
+
+        self._schedule(trees, on_run, entropy=loss.needs_entropy, train=True)
+        self._after_backward()
+        host = self._reduce_stats(totals, total)
+        s = packed.stats
+        return StepStats(
+            loss=host.pop(LOSS_STAT, 0.0),
+            stats=host,
+            loss_tokens=batch.num_loss_tokens(),
+            original_tokens=s.original_tokens,
+            tree_tokens=s.tree_tokens,
+            padded_tokens=s.padded_tokens,
+            micro_batches=len(trees),
+        )
+
+    def _reduce_stats(self, totals: StatTotals, total: int) -> dict[str, float]:
+        """Means and maxima over the last stage's data x context ranks, then known on every rank."""
+        import torch.distributed as dist
+
+        host = totals.reduce(total, self._stat_group()) if self._last_stage() else {}
+        pp = self._pp_group()
+        if pp is not None:
+            got: list[Any] = [host]
+            dist.broadcast_object_list(got, group=pp, group_src=self.layout.pp - 1)
+            host = got[0]
+        return host
+
+    @torch.no_grad()
+    def forward(self, batch: Sequence[Sequence[int]], *, tree: bool | None = None) -> list[torch.Tensor]:
+        """Per-sequence log-probs (actor, ref) or values (critic), fp32, ``len - 1`` each, no
+        grad, on the CPU, in input order, on every rank."""
+        import torch.distributed as dist
+
+        if not batch:
+            return []
+        self.model.eval()
+        packed = self.pack(batch, tree=tree)
+        lengths = [len(s) - 1 for s in batch]
+        mine: dict[int, torch.Tensor] = {}
+
+        def collect(i: int, run: MicroBatchRun) -> None:
+            part = run.out.values if self.role == "critic" else run.out.logprobs
+            assert part is not None
+            flat = part.float()
+            if run.sel_M is not None:  # context ranks: each holds some positions; add them up
+                flat = torch.zeros(run.sel_M.shape[0], device=part.device).masked_scatter_(run.sel_M, flat)
+                if self.layout.cp > 1:
+                    dist.all_reduce(flat, group=self._cp_group())
+            mine.update(unpack_sequence_tensors(run.tree, flat.cpu(), lengths))
+
+        self._schedule(self._micro_batches(packed), collect, entropy=False, train=False)
+        if self.layout.world_size > 1:  # every data rank's sequences to every rank, once
+            every: list[Any] = [None] * self.layout.world_size
+            dist.all_gather_object(every, mine if self._owns_outputs() else {})
+            for part in every:
+                mine.update(part)
+        return [mine[i] for i in range(len(batch))]
+
     # -- the optimizer step ----------------------------------------------------------------
-    @abstractmethod
+    def _grad_pieces(self) -> Iterable[tuple[torch.Tensor, int]]:
+        """This rank's gradients and how many ranks of the world hold each same tensor."""
+        return dtensor_pieces(self.model.parameters())
+
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the gradients (one collective; every distinct shard once)."""
+        """The global L2 norm of the gradients (one collective; every distinct tensor once)."""
+        return global_norm(self._grad_pieces(), device=self.layout.device)
 
     def step(self) -> float:
         """Clip the gradients to ``max_grad_norm`` (one all-reduce, one host sync), apply AdamW
@@ -241,23 +445,85 @@ class Engine(ABC):
         self._refresh_sampler()
         return norm
 
-    def _refresh_sampler(self) -> None:
-        """Bring :meth:`sampling_model` up to the new weights (after a step or a load); the
-        default model is :attr:`model` itself, always current."""
-        return
-
     def zero_grad(self) -> None:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
-    @abstractmethod
+    # -- checkpoints -----------------------------------------------------------------------
     def save(self, path: Path, extra: Mapping[str, Any]) -> None:
-        """A resumable checkpoint: model, optimizer, scheduler, RNG, and ``extra``."""
+        """A resumable checkpoint: model, optimizer, step count, every RNG state and ``extra``
+        (each engine's files: :meth:`_write`)."""
+        path.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "steps": self.steps,
+            "rng": files.rng_state(),
+            "extra": dict(extra),
+            "model_path": self.settings.path,
+            "engine": self.engine_name,
+        }
+        self._write(path, meta)
 
-    @abstractmethod
     def load(self, path: Path) -> dict[str, Any]:
-        """Restore what :meth:`save` wrote; returns its ``extra``."""
+        """Restore what :meth:`save` wrote; returns its ``extra``. A torn or empty checkpoint
+        raises :class:`CheckpointUnreadableError` on every rank (the trainer then tries an
+        older one); one of another model, engine or layout an ``EngineConfigError``."""
+        meta = self._read(path)
+        files.restore_rng(meta)
+        self.steps = int(meta["steps"])
+        self._refresh_sampler()
+        extra: dict[str, Any] = dict(meta["extra"])
+        return extra
 
+    def _same_run(self, meta: Mapping[str, Any], path: Path) -> None:
+        """Refuse a checkpoint of another model or engine, with the fix."""
+        model = meta.get("model_path", meta.get("model", self.settings.path))  # older: "model"
+        engine = meta.get("engine", "fsdp")  # older FSDP checkpoints name none
+        if model != self.settings.path or engine != self.engine_name:
+            raise EngineConfigError(
+                f"checkpoint {path} was written for model {model!r} by the {engine} engine, but this run trains "
+                f"{self.settings.path!r} with {self.engine_name}; fix: give this run a new checkpoint.dir "
+                "(or restore the old settings)"
+            )
+
+    def _dcp_state(self) -> dict[str, Any]:
+        """This rank's model (and optimizer) state for torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._optim_options())
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _optim_options(self) -> Any:
+        """``get_state_dict`` / ``set_state_dict`` options of the optimizer state (None: the defaults)."""
+        return None
+
+    def _write(self, path: Path, meta: dict[str, Any]) -> None:
+        """DCP engines: every rank writes its shards (one process: ``torch.save``) and its own
+        metadata file."""
+        if self.layout.world_size > 1:
+            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+            dcp_save(self._dcp_state(), checkpoint_id=str(path / self.role))
+        else:
+            torch.save(self._dcp_state(), path / f"{self.role}.pt")  # one process: no collectives to plan
+        torch.save(meta, path / f"{self.role}-rank{self.layout.rank}.pt")
+
+    def _read(self, path: Path) -> dict[str, Any]:
+        """DCP engines: load the state in place; returns this rank's checked metadata."""
+        return files.load_sharded(
+            path,
+            self.role,
+            self.layout.rank,
+            self.layout.world_size,
+            same_run=lambda meta: self._same_run(meta, path),
+            model=self.model,
+            optimizer=self.optimizer,
+            empty=self._dcp_state,
+            optim_options=self._optim_options(),
+        )
+
+    # -- Hugging Face weights and local rollout --------------------------------------------
     @abstractmethod
     def export_hf(self, path: Path) -> None:
         """Hugging Face weights (safetensors + config) for rollout servers to load."""
@@ -278,6 +544,58 @@ class Engine(ABC):
             for f in sorted(Path(tmp).glob("*.safetensors")):
                 state.update(load_file(f))
             return state
+
+    def _sampler_weights(self) -> Mapping[str, torch.Tensor] | None:
+        """Full Hugging Face weights (on-disk names, one tensor per expert) on every rank, for
+        the local-rollout sampler (a collective); None: :attr:`model` is the sampler itself."""
+        return None
+
+    def sampling_model(self) -> torch.nn.Module:
+        """What local rollout samples from: a module called like a Hugging Face causal LM
+        (attention masks, KV caches), kept up to date with the trained weights. Engines with
+        their own models get a transformers model built from the config on first use (every
+        rank: a collective) and refreshed in place after every step and load, so the rollout's
+        KV-cache check (parameter versions) sees the change; otherwise :attr:`model` itself."""
+        if self._sampler is None:
+            weights = self._sampler_weights()
+            if weights is None:
+                return self.model
+            from transformers import AutoModelForCausalLM
+
+            auto: Any = AutoModelForCausalLM  # untyped
+            dtype = getattr(torch, self.settings.dtype)
+            model = auto.from_config(self.source.config, dtype=dtype).to(self.layout.device)
+            self._sampler = model.eval().requires_grad_(False)
+            _copy_hf(self._sampler, weights)
+        return self._sampler
+
+    def _refresh_sampler(self) -> None:
+        """Bring :meth:`sampling_model` up to the new weights (after a step or a load)."""
+        if self._sampler is not None:
+            weights = self._sampler_weights()
+            assert weights is not None
+            _copy_hf(self._sampler, weights)
+
+
+def _copy_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor]) -> None:
+    """Copy on-disk Hugging Face tensors into transformers' in-memory ones, which fuse a MoE
+    layer's experts (``experts.gate_up_proj [E, 2f, h]`` from the per-expert gate and up,
+    ``experts.down_proj [E, h, f]``)."""
+    with torch.no_grad():
+        for name, target in model.named_parameters():  # a tied head once
+            if name in hf:
+                target.copy_(hf[name])
+                continue
+            base, kind = name.rsplit(".", 1)
+            count = target.shape[0]
+            if kind == "gate_up_proj":
+                gate = [hf[f"{base}.{e}.gate_proj.weight"] for e in range(count)]
+                up = [hf[f"{base}.{e}.up_proj.weight"] for e in range(count)]
+                target.copy_(torch.cat([torch.stack(gate), torch.stack(up)], dim=1))
+            elif kind == "down_proj":
+                target.copy_(torch.stack([hf[f"{base}.{e}.down_proj.weight"] for e in range(count)]))
+            else:
+                raise KeyError(f"no Hugging Face weights for {name}")
 
 
 def scale_grads(params: Iterable[torch.Tensor], coef: float) -> None:

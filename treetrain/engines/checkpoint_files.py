@@ -84,12 +84,16 @@ def check_meta(meta: Mapping[str, Any], file: Path) -> None:
         random.Random().setstate(rng["python"])
     except (KeyError, TypeError, ValueError) as err:
         raise _foreign(file, f"bad Python RNG state: {first_line(err)}") from None
+    tracker = rng.get("cuda_tracker", {})
+    if not isinstance(tracker, Mapping):
+        raise _foreign(file, "bad Megatron CUDA RNG tracker state: not a dict")
     states = [("torch", rng.get("torch"))] + [("cuda", s) for s in rng.get("cuda", [])]
+    states += [(f"cuda_tracker {k}", s) for k, s in tracker.items()]
     for name, state in states:
         if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
             raise _foreign(file, f"bad {name} RNG state: {type(state).__name__}, not a uint8 tensor")
     try:
-        torch.Generator().set_state(rng["torch"])
+        torch.Generator().set_state(rng["torch"].cpu())
     except RuntimeError as err:
         raise _foreign(file, f"bad torch RNG state: {first_line(err)}") from None
 
@@ -108,13 +112,43 @@ def agree(problem: Exception | None, world_size: int) -> None:
         raise problem
 
 
+def _megatron_tracker() -> Any:
+    """Megatron's CUDA RNG tracker (dropout streams of its parallel regions) when this process
+    runs megatron-core on CUDA; None otherwise (nothing of it to save or restore)."""
+    import sys
+
+    if "megatron.core" not in sys.modules or not torch.cuda.is_available():
+        return None
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG state of this process: Python's, torch's CPU one, each CUDA device's, and
+    Megatron's CUDA tracker streams (when in use), for :func:`restore_rng`."""
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    tracker = _megatron_tracker()
+    if tracker is not None:
+        rng["cuda_tracker"] = dict(tracker.get_states())
+    return rng
+
+
 def restore_rng(meta: Mapping[str, Any]) -> None:
-    """Apply the RNG state :func:`check_meta` checked."""
+    """Apply the RNG state :func:`check_meta` checked (CUDA states where this process has CUDA)."""
     rng = meta["rng"]
     random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
+    # Generator states are CPU byte tensors, wherever the file was mapped to.
+    torch.set_rng_state(rng["torch"].cpu())
     if rng.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
+    tracker = _megatron_tracker()
+    if rng.get("cuda_tracker") and tracker is not None:
+        tracker.set_states({k: s.cpu() for k, s in rng["cuda_tracker"].items()})
 
 
 def read_state(path: Path, role: str, world_size: int, empty: dict[str, Any], *, optimizer: bool) -> dict[str, Any]:
@@ -156,7 +190,8 @@ def load_sharded(
     """Load checkpoint ``path`` into a torch.distributed.checkpoint engine (FSDP, Archon): this
     rank's own file first (``same_run`` raises when it belongs to another model or engine), every
     rank told of any rank's problem before the collective read, then the model (and optimizer)
-    state (``optim_options``: set_state_dict's options). Returns the rank file's metadata, RNG restored."""
+    state (``optim_options``: set_state_dict's options). Returns the rank file's metadata (the caller
+    restores its RNG state: :func:`restore_rng`)."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     problem: Exception | None = None
@@ -184,5 +219,4 @@ def load_sharded(
         raise
     except (RuntimeError, KeyError, ValueError) as err:
         raise cannot_resume(role, path, err) from None
-    restore_rng(meta)
     return meta

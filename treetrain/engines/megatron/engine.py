@@ -18,9 +18,7 @@ fall on ranks and micro-batches.
 
 from __future__ import annotations
 
-import dataclasses
-import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treetrain.attention import TreeAttentionMeta, resolve
+from treetrain.attention import TreeAttentionMeta
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import checkpoint_files as files
-from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch, check_role
+from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import build_model
 from treetrain.engines.megatron import convert
@@ -42,8 +40,8 @@ from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, s
 from treetrain.engines.megatron.schedule import run_schedule
 from treetrain.engines.source import ModelSource, SafetensorsFiles
 from treetrain.engines.zero import ShardedAdamW
-from treetrain.logprob import TreeTensors, pack_sequence_tensors, unpack_sequence_tensors
-from treetrain.tree import PAD_TOKEN_ID, PackedBatch, PackedTree
+from treetrain.logprob import TreeTensors
+from treetrain.tree import PackedBatch, PackedTree, pad_tree
 
 
 @dataclass(slots=True)
@@ -63,6 +61,8 @@ class _Chunk:
 class MegatronEngine(Engine):
     """Actor (log-probs), critic (values) or reference (frozen) on megatron-core."""
 
+    engine_name = "megatron"
+
     def __init__(
         self,
         model: ModelSettings | ModelSource,
@@ -72,16 +72,7 @@ class MegatronEngine(Engine):
         *,
         role: str = "actor",
     ) -> None:
-        check_role(role)
-        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
-        self.settings = self.source.settings
-        self.layout = layout
-        self.tree = tree
-        self.role = role
-        self.block_size = tree.block_size
-        self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
-        self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
-        self._pack_config(tree=True)  # the packer's message for a capacity that does not fit
+        super().__init__(model, layout, tree, optimizer, role=role)
         hf = self.source.config
         self.model: TreeGPT = TreeGPT(
             hf,
@@ -97,16 +88,12 @@ class MegatronEngine(Engine):
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
         self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
-        self.optim = optimizer
         self.optimizer = build_optimizer(
             self.model, list(self.model.gpt.named_parameters()), self._grad_plan(), optimizer
         )
-        self.steps = 0
-        self._sampler: torch.nn.Module | None = None
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.source.config.vocab_size)
+    def _prepare(self) -> None:
+        self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
 
     # -- weights ----------------------------------------------------------------------------
     def _layer_offset(self) -> int:
@@ -134,7 +121,7 @@ class MegatronEngine(Engine):
                 p.copy_(value)
 
     # -- packing ----------------------------------------------------------------------------
-    def _rank_trees(self, packed: PackedBatch) -> list[PackedTree]:
+    def _micro_batches(self, packed: PackedBatch) -> list[PackedTree]:
         """This data-parallel rank's trees. Under expert parallel, tokens of the same
         micro-batch of every data-parallel rank meet in the expert layers (the allgather
         dispatcher needs equal sizes): each micro-batch is padded to its largest over the ranks."""
@@ -178,13 +165,13 @@ class MegatronEngine(Engine):
             out = self.model(ids, chunk.tree_input)
         return out
 
-    def _outputs(self, chunk: _Chunk, out: torch.Tensor, *, entropy: bool) -> tuple[MicroBatchOutput, torch.Tensor]:
+    def _outputs(self, chunk: _Chunk, out: torch.Tensor, *, entropy: bool) -> MicroBatchRun:
         """The last stage's per-position outputs (this rank's positions) and a zero that
         touches every output row (so that backward reaches every layer and collective even
         when this rank has no position)."""
         anchor = out.sum() * 0.0
         if self.role == "critic":
-            return MicroBatchOutput(values=out[chunk.pred_m].float()), anchor
+            return MicroBatchRun(chunk.tree, MicroBatchOutput(values=out[chunk.pred_m].float()), anchor, chunk.sel_M)
         vocab = out.shape[-1]
         logp, ent = vocab_parallel_logprobs(
             out,
@@ -194,7 +181,7 @@ class MegatronEngine(Engine):
             group=self.groups["tp"] if self.sizes["tp"] > 1 else None,
             with_entropy=entropy,
         )
-        return MicroBatchOutput(logprobs=logp, entropy=ent), anchor
+        return MicroBatchRun(chunk.tree, MicroBatchOutput(logprobs=logp, entropy=ent), anchor, chunk.sel_M)
 
     # -- the schedule -----------------------------------------------------------------------
     def _p2p_shape(self, chunk: _Chunk) -> tuple[int, int, int]:
@@ -203,11 +190,15 @@ class MegatronEngine(Engine):
         rows = chunk.tree.padded_len // (self.sizes["cp"] * self.sizes["tp"])
         return (rows, 1, self.hidden_size)
 
-    def _schedule(self, chunks: list[_Chunk], on_output: Any, *, train: bool) -> None:
-        """Every micro-batch through this rank's stage (:func:`.schedule.run_schedule`).
+    def _schedule(self, trees: Sequence[PackedTree], on_run: OnRun, *, entropy: bool, train: bool) -> None:
+        """Every micro-batch through this rank's stage (:func:`.schedule.run_schedule`);
+        ``on_run`` runs on the last stage. Activations cross stages in fp32 (exact, and every
+        stage knows the dtype)."""
+        chunks = [self._chunk(t) for t in trees]
 
-        ``on_output(i, out)`` runs on the last stage and returns the scalar to backward (or
-        None). Activations cross stages in fp32 (exact, and every stage knows the dtype)."""
+        def on_output(i: int, out: torch.Tensor) -> torch.Tensor | None:
+            return on_run(i, self._outputs(chunks[i], out, entropy=entropy))
+
         run_schedule(
             lambda i, hidden: self._stage(chunks[i], hidden),
             [self._p2p_shape(c) for c in chunks],
@@ -220,88 +211,25 @@ class MegatronEngine(Engine):
             schedule=self.settings.pipeline_schedule,
         )
 
-    # -- Engine -----------------------------------------------------------------------------
-    def _counts(self) -> bool:
-        """Whether this rank's loss and outputs count (one copy per data x context rank)."""
-        return self.last and self.ranks["tp"] == 0
+    # -- the core's hooks ------------------------------------------------------------------
+    def _last_stage(self) -> bool:
+        return bool(self.last)
 
-    def forward_backward(self, batch: TrainBatch, loss: Loss, *, tree: bool | None = None) -> StepStats:
-        if self.optimizer is None:
-            raise RuntimeError(f"the {self.role} engine was built without an optimizer: it cannot train")
-        self.model.train()
-        packed = self.pack(batch.sequences, tree=tree)
-        total = max(batch.num_loss_tokens(), 1)  # fixed before the micro-batch loop
-        device = self.layout.device
-        chunks = [self._chunk(t) for t in self._rank_trees(packed)]
-        sums: dict[str, torch.Tensor] = {}
+    def _stat_group(self) -> Any:
+        return self.groups["dp_cp"] if self.sizes["dp"] * self.sizes["cp"] > 1 else None
 
-        def on_output(i: int, out: torch.Tensor) -> torch.Tensor:
-            chunk = chunks[i]
-            mb_out, anchor = self._outputs(chunk, out, entropy=loss.needs_entropy)
-            mask = pack_sequence_tensors(chunk.tree, batch.loss_mask).to(device)[chunk.sel_M]
-            inputs = {k: pack_sequence_tensors(chunk.tree, v).to(device)[chunk.sel_M] for k, v in batch.tensors.items()}
-            mb_loss, stats = loss(mb_out, mask, inputs)
-            for k, v in {"loss": mb_loss, **stats}.items():
-                sums[k] = sums.get(k, torch.zeros((), device=device)) + v.detach().float()
-            return (mb_loss + anchor) / total
+    def _pp_group(self) -> Any:
+        return self.groups["pp"] if self.sizes["pp"] > 1 else None
 
-        self._schedule(chunks, on_output, train=True)
+    def _cp_group(self) -> Any:
+        return self.groups["cp"]
+
+    def _owns_outputs(self) -> bool:
+        """One copy of each output: the last stage's first tensor and context rank."""
+        return bool(self.last) and self.ranks["tp"] == 0 and self.ranks["cp"] == 0
+
+    def _after_backward(self) -> None:
         self._finalize_grads()
-        mine = {k: float(v) for k, v in sums.items()} if self._counts() else {}
-        host = self._sum_over_ranks(mine)
-        s = packed.stats
-        return StepStats(
-            loss=host.pop("loss", 0.0) / total,
-            stats={k: v / total for k, v in sorted(host.items())},
-            loss_tokens=batch.num_loss_tokens(),
-            original_tokens=s.original_tokens,
-            tree_tokens=s.tree_tokens,
-            padded_tokens=s.padded_tokens,
-            micro_batches=len(chunks),
-        )
-
-    def _sum_over_ranks(self, mine: dict[str, float]) -> dict[str, float]:
-        if self.layout.world_size == 1:
-            return mine
-        every: list[Any] = [None] * self.layout.world_size
-        dist.all_gather_object(every, mine)  # host figures, once per step
-        out: dict[str, float] = {}
-        for part in every:
-            for k, v in part.items():
-                out[k] = out.get(k, 0.0) + v
-        return out
-
-    @torch.no_grad()
-    def forward(self, batch: Sequence[Sequence[int]], *, tree: bool | None = None) -> list[torch.Tensor]:
-        """Per-sequence log-probs (actor, ref) or values (critic), fp32, on the CPU, input
-        order, on every rank."""
-        if not batch:
-            return []
-        self.model.eval()
-        packed = self.pack(batch, tree=tree)
-        lengths = [len(s) - 1 for s in batch]
-        chunks = [self._chunk(t) for t in self._rank_trees(packed)]
-        mine: dict[int, torch.Tensor] = {}
-
-        def on_output(i: int, out: torch.Tensor) -> None:
-            chunk = chunks[i]
-            mb_out, _ = self._outputs(chunk, out, entropy=False)
-            part = mb_out.values if self.role == "critic" else mb_out.logprobs
-            assert part is not None
-            flat = torch.zeros(chunk.num_positions, device=part.device)
-            flat[chunk.sel_M] = part.float()
-            if self.sizes["cp"] > 1:
-                dist.all_reduce(flat, group=self.groups["cp"])  # each position on one cp rank
-            if self._counts() and self.ranks["cp"] == 0:
-                mine.update(unpack_sequence_tensors(chunk.tree, flat.cpu(), lengths))
-
-        self._schedule(chunks, on_output, train=False)
-        if self.layout.world_size > 1:
-            every: list[Any] = [None] * self.layout.world_size
-            dist.all_gather_object(every, mine)
-            for part in every:
-                mine.update(part)
-        return [mine[i] for i in range(len(batch))]
 
     # -- gradients and the optimizer ---------------------------------------------------------
     def _grad_plan(self) -> GradPlan:
@@ -320,33 +248,30 @@ class MegatronEngine(Engine):
     def _own_file(self, path: Path) -> Path:
         return path / f"{self.role}-megatron-rank{self.layout.rank}.pt"
 
-    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
-        """Each rank writes its own shards, optimizer state and RNG (resume needs the same
-        backend string; :meth:`export_hf` is the layout-free copy)."""
-        path.mkdir(parents=True, exist_ok=True)
+    def _write(self, path: Path, meta: dict[str, Any]) -> None:
+        """Each rank writes one file: its shards, optimizer state, RNG and the core's metadata
+        (resume needs the same backend string; :meth:`export_hf` is the layout-free copy)."""
         state = {
+            **meta,
             "layout": str(self.layout.allocation),
-            "model_path": self.settings.path,
             "model": self.model.state_dict(),
             "optim": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "steps": self.steps,
-            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-            "extra": dict(extra),
         }
         torch.save(state, self._own_file(path))
         if self.layout.world_size > 1:
             dist.barrier()
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def _read(self, path: Path) -> dict[str, Any]:
         problem: Exception | None = None
+        state: dict[str, Any] = {}
         try:  # this rank's own file; every rank learns of a problem before the sampler's collective
             own = files.own_file(path, self._own_file(path).name, "another layout or engine")
             state = files.read(own, map_location=self.layout.device)
-            if state.get("model_path") != self.settings.path or state.get("layout") != str(self.layout.allocation):
+            self._same_run(state, path)
+            if state.get("layout") != str(self.layout.allocation):
                 raise EngineConfigError(
-                    f"checkpoint {path} was written for {state.get('model_path')!r} on {state.get('layout')!r}, but this "
-                    f"run trains {self.settings.path!r} on {str(self.layout.allocation)!r}; fix: give this run a new "
-                    "checkpoint.dir (or restore the old settings)"
+                    f"checkpoint {path} was written on {state.get('layout')!r}, but this run trains on "
+                    f"{str(self.layout.allocation)!r}; fix: give this run a new checkpoint.dir (or restore the backend)"
                 )
             files.check_meta(state, own)
             files.check_state(state, own, optimizer=self.optimizer is not None)
@@ -356,14 +281,10 @@ class MegatronEngine(Engine):
                     self.optimizer.load_state_dict(state["optim"])
             except (RuntimeError, KeyError, ValueError) as err:
                 raise files.cannot_resume(self.role, path, err) from None
-            self.steps = int(state["steps"])
-            files.restore_rng(state)
         except (EngineConfigError, FileNotFoundError) as err:  # CheckpointUnreadableError included
             problem = err
         files.agree(problem, self.layout.world_size)
-        self._refresh_sampler()
-        extra: dict[str, Any] = state["extra"]
-        return extra
+        return state
 
     def _pieces(self, *, grads: bool = False) -> list[convert.Piece]:
         """This rank's Hugging Face pieces of the weights (one copy over data x context ranks)."""
@@ -383,27 +304,8 @@ class MegatronEngine(Engine):
             dist.all_gather_object(every, self._pieces())
         return convert.assemble([piece for part in every for piece in part])
 
-    def sampling_model(self) -> torch.nn.Module:
-        """A Hugging Face causal LM with this engine's weights, for local rollout (which calls
-        the model like transformers' generate loop: attention masks, KV caches). Built on first
-        use on every rank (a collective), refreshed in place after every step and load."""
-        if self._sampler is None:
-            from transformers import AutoModelForCausalLM
-
-            auto: Any = AutoModelForCausalLM  # untyped
-            model = auto.from_config(self.source.config, dtype=torch.float32).to(self.layout.device)
-            self._sampler = model.eval().requires_grad_(False)
-            self._refresh_sampler()
-        assert self._sampler is not None
-        return self._sampler
-
-    def _refresh_sampler(self) -> None:
-        if self._sampler is None:
-            return
-        state = self._full_state()
-        with torch.no_grad():
-            for name, p in self._sampler.named_parameters():
-                p.copy_(_hf_param(state, name, p))
+    def _sampler_weights(self) -> dict[str, torch.Tensor]:
+        return self._full_state()
 
     def export_hf(self, path: Path) -> None:
         """Full Hugging Face weights (safetensors + config): every rank's pieces go to rank 0,
@@ -443,35 +345,3 @@ class MegatronEngine(Engine):
             every = [None] * self.layout.world_size
             dist.all_gather_object(every, pieces)
         return convert.assemble([piece for part in every for piece in part])
-
-
-def pad_tree(tree: PackedTree, length: int) -> PackedTree:
-    """``tree`` padded to ``length`` tokens (padding attends only to itself)."""
-    extra = length - tree.padded_len
-    if extra <= 0:
-        return tree
-    return dataclasses.replace(
-        tree,
-        padded_len=length,
-        input_ids=tree.input_ids + [PAD_TOKEN_ID] * extra,
-        position_ids=tree.position_ids + [0] * extra,
-        token_node=tree.token_node + [-1] * extra,
-        token_end=tree.token_end + list(range(tree.padded_len + 1, length + 1)),
-    )
-
-
-def _hf_param(state: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face parameter from per-expert weights: transformers 5 keeps a MoE layer's
-    experts fused in memory (``experts.gate_up_proj [E, 2f, h]``, ``experts.down_proj``)."""
-    if name in state:
-        return state[name]
-    base, kind = name.rsplit(".", 1)
-    count = like.shape[0]
-    if kind == "gate_up_proj":
-        return torch.stack(
-            [
-                torch.cat((state[f"{base}.{e}.gate_proj.weight"], state[f"{base}.{e}.up_proj.weight"]))
-                for e in range(count)
-            ]
-        )
-    return torch.stack([state[f"{base}.{e}.down_proj.weight"] for e in range(count)])
