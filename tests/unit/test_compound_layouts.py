@@ -7,7 +7,7 @@ For each layout one ``forward_backward`` with a plain loss (minus the sum of the
 tokens' log-probs) over tree-packed branching batches (several sequences sharing prefixes, at
 block boundaries and inside blocks; several micro-batches) gives the loss and the full
 gradients of each sequence run alone through the Hugging Face model (fp32: loss and gradients
-relative <= 1e-4), and ``forward`` gives its per-sequence log-probs (<= 1e-5 abs).
+relative <= 1e-4, and the engine's one-collective gradient norm), and ``forward`` gives its per-sequence log-probs (<= 1e-5 abs).
 
 One process group per engine runs all its layouts in turn (FSDP and Archon build one mesh per
 backend string over the same ranks; Megatron resets its one parallel state between layouts).
@@ -86,6 +86,11 @@ def _prepare(root: Path, names: set[str]) -> None:
 
 def _hf_grads(engine: Any) -> dict[str, torch.Tensor]:
     """The engine's full gradients by Hugging Face name (one tensor per expert)."""
+    # Megatron's sharded optimizer (ZeRO-1, when d x c > 1) leaves each rank only its shard
+    # summed; its full_grads does not complete them itself.
+    gather = getattr(engine.optimizer, "gather_grads", None)
+    if gather is not None:
+        gather()
     grads: dict[str, torch.Tensor] = engine.full_grads()
     if type(engine).__name__.startswith("Archon"):
         from treetrain.engines.archon.model.hf import to_hf
@@ -115,6 +120,8 @@ def _check(engine_name: str, name: str, layout: str, root: Path) -> None:
     assert stats.tree_tokens < stats.original_tokens, (backend, "the batch must share prefixes")
     assert stats.micro_batches >= 2, (backend, stats.micro_batches)
     assert abs(stats.loss - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (backend, stats.loss, ref["loss"])
+    norm, want_norm = float(engine.grad_norm()), _norm(ref["grads"])
+    assert abs(norm - want_norm) <= 1e-4 * want_norm, (backend, "gradient norm", norm, want_norm)
     grads = _hf_grads(engine)
     assert set(grads) == set(ref["grads"]), (backend, sorted(set(grads) ^ set(ref["grads"])))
     # Every mismatch at once (a wrong gradient names its tensors), then the log-probs.
@@ -124,6 +131,10 @@ def _check(engine_name: str, name: str, layout: str, root: Path) -> None:
     assert not wrong, f"{backend}: {len(wrong)} of {len(grads)} gradients differ from transformers':\n" + "\n".join(
         wrong
     )
+
+
+def _norm(grads: Mapping[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads.values()])))
 
 
 def _distance(got: torch.Tensor, want: torch.Tensor) -> str:
