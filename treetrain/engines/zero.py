@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from treetrain.engines.grads import global_norm
+
 __all__ = ["Bucket", "ShardedAdamW", "all_gather_flat", "reduce_scatter_sum", "state_bytes"]
 
 
@@ -239,12 +241,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def grad_norm(self, device: torch.device | None = None) -> torch.Tensor:
         """The global L2 norm from the summed shards (one all-reduce over the default group)."""
-        total = torch.zeros((), dtype=torch.float32, device=device or self.flats[0].grad.device)
-        for g, c in self.grad_pieces():
-            total += g.detach().float().square().sum().to(total.device) / c
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        return total.sqrt()
+        return global_norm(self.grad_pieces(), device=device or self.flats[0].grad.device)
 
     def gather_grads(self) -> None:
         """Complete every ``p.grad`` with the other ranks' summed shards (tests and gradient

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from treetrain.config import OptimizerSettings
 from treetrain.engines.base import adamw
+from treetrain.engines.grads import global_norm
 from treetrain.engines.megatron import convert
 from treetrain.engines.zero import Bucket, ShardedAdamW
 
@@ -129,13 +130,7 @@ def build_optimizer(
 def grad_norm(named: Iterable[tuple[str, torch.Tensor]], plan: GradPlan, *, device: torch.device) -> torch.Tensor:
     """The global L2 norm of the gradients, in one all-reduce over every rank: each rank
     adds its local sums of squares divided by how many ranks hold that same tensor."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for name, p in named:
-        if p.grad is not None:
-            total += p.grad.detach().float().square().sum() / plan.copies(name)
-    if plan.world_size > 1:
-        dist.all_reduce(total)
-    return total.sqrt()
+    return global_norm(((p.grad, plan.copies(name)) for name, p in named if p.grad is not None), device=device)
 
 
 def all_reduce_flat(tensors: list[torch.Tensor], group: Any) -> None:
