@@ -1,5 +1,5 @@
 """Pipeline parallel for the Archon engine over the ``pp`` mesh dimension, on
-``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``).
+``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B`` or ``ScheduleGPipe``).
 
 Each stage owns a contiguous slice of the layers (the first also the embedding, the last the
 final norm and the head), chosen by :func:`split_layers` from per-layer costs. Every rank
@@ -8,7 +8,9 @@ tree metadata itself: it reaches the stage as keyword arguments (positions, the 
 the padding mask), and only hidden states travel between stages. Pipelining needs one shape
 per step, so a step's trees are padded to its largest (:func:`pad_tree`: padding tokens
 attend only to themselves and are never gathered into the loss); the stage is rebuilt with
-that step's shapes (static metadata: no inference pass).
+that step's shapes (static metadata: no inference pass). Training runs 1F1B by default
+(stage ``s`` holds at most ``S - s`` micro-batches' activations; GPipe holds all ``M``); both
+run the backwards in micro-batch order, so their gradients are identical.
 
 Letters: L layers, S stages, M micro-batches, N padded tree tokens, n rows on one context
 rank, d model width, V vocabulary.
@@ -16,10 +18,9 @@ rank, d model width, V vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
-from treetrain.tree import PAD_TOKEN_ID, PackedTree
+from treetrain.tree import pad_tree as pad_tree  # one padding for every engine; re-exported
 
 # -- the layer split -------------------------------------------------------------------------
 
@@ -104,26 +105,6 @@ def keep_stage(model: Transformer, layers: range, *, first: bool, last: bool) ->
         model.norm = model.output = model.value_head = None
 
 
-# -- fixed shapes ----------------------------------------------------------------------------
-
-
-def pad_tree(tree: PackedTree, padded_len: int) -> PackedTree:
-    """``tree`` with more padding tokens (each attends only to itself, position 0, never
-    gathered: the results do not change)."""
-    extra = padded_len - tree.padded_len
-    assert extra >= 0, (tree.padded_len, padded_len)
-    if extra == 0:
-        return tree
-    return dataclasses.replace(
-        tree,
-        padded_len=padded_len,
-        input_ids=[*tree.input_ids, *[PAD_TOKEN_ID] * extra],
-        position_ids=[*tree.position_ids, *[0] * extra],
-        token_node=[*tree.token_node, *[-1] * extra],
-        token_end=[*tree.token_end, *range(tree.padded_len + 1, padded_len + 1)],
-    )
-
-
 # -- one step through the pipeline -----------------------------------------------------------
 
 
@@ -147,14 +128,17 @@ def run_schedule(
     on_output: Callable[[int, torch.Tensor], torch.Tensor],
     *,
     train: bool,
+    schedule: Literal["1f1b", "gpipe"] = "1f1b",
 ) -> None:
-    """Run every micro-batch through the pipeline (GPipe: all forwards, then all backwards).
+    """Run every micro-batch through the pipeline: ``1f1b`` (one forward, one backward in
+    steady state) or ``gpipe`` (all forwards, then all backwards). Forward only runs GPipe's
+    order, and so does 1F1B with fewer micro-batches than stages (``Schedule1F1B`` refuses it).
 
     ``inputs[i]``: micro-batch ``i``'s token ids (read on the first stage) and keyword
     arguments (every stage). ``on_output(i, out)`` runs on the last stage and returns the
     scalar to backward, already scaled: the schedule does not divide it again
     (``scale_grads=False``)."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     stage_id, stages, device = layout.pp_rank, layout.pp, layout.device
     first, last = stage_id == 0, stage_id == stages - 1
@@ -175,7 +159,8 @@ def run_schedule(
             out = out.to_local()  # a replicated value head under tensor parallel
         return on_output(index, out)
 
-    schedule = ScheduleGPipe(stage, len(inputs), loss_fn=loss_fn, scale_grads=False)
+    one_f_one_b = train and schedule == "1f1b" and len(inputs) >= stages
+    runner = (Schedule1F1B if one_f_one_b else ScheduleGPipe)(stage, len(inputs), loss_fn=loss_fn, scale_grads=False)
     mbs: dict[str, Any] = {
         "kwarg_mbs": [kwargs for _, kwargs in inputs],
         "target_mbs": list(range(len(inputs))),
@@ -183,9 +168,9 @@ def run_schedule(
     if first:
         mbs["arg_mbs"] = [(tokens,) for tokens, _ in inputs]
     if train:
-        schedule.step(return_outputs=False, **mbs)
+        runner.step(return_outputs=False, **mbs)
     else:
-        schedule.eval(**mbs)
+        runner.eval(**mbs)
 
 
 def exchange_tied_grad(param: torch.Tensor, layout: ArchonLayout) -> None:
