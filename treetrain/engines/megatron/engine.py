@@ -88,9 +88,7 @@ class MegatronEngine(Engine):
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
         self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
-        self.optimizer = build_optimizer(
-            self.model, list(self.model.gpt.named_parameters()), self._grad_plan(), optimizer
-        )
+        self.optimizer = self._build_optimizer(optimizer)
 
     def _prepare(self) -> None:
         self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
@@ -234,6 +232,10 @@ class MegatronEngine(Engine):
     # -- gradients and the optimizer ---------------------------------------------------------
     def _grad_plan(self) -> GradPlan:
         return GradPlan(self.sizes, self.groups, tied=self.tied, world_size=self.layout.world_size)
+
+    def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
+        """AdamW sharded over the data ranks (ZeRO-1, :func:`.grads.build_optimizer`)."""
+        return build_optimizer(self.model, list(self.model.gpt.named_parameters()), self._grad_plan(), settings)
 
     def _finalize_grads(self) -> None:
         sharded = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
