@@ -112,12 +112,17 @@ def agree(problem: Exception | None, world_size: int) -> None:
         raise problem
 
 
+def _cuda() -> bool:
+    """Whether this process has CUDA generators to save and restore."""
+    return torch.cuda.is_available()
+
+
 def _megatron_tracker() -> Any:
     """Megatron's CUDA RNG tracker (dropout streams of its parallel regions) when this process
     runs megatron-core on CUDA; None otherwise (nothing of it to save or restore)."""
     import sys
 
-    if "megatron.core" not in sys.modules or not torch.cuda.is_available():
+    if "megatron.core" not in sys.modules or not _cuda():
         return None
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -130,7 +135,7 @@ def rng_state() -> dict[str, Any]:
     rng: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state_all() if _cuda() else [],
     }
     tracker = _megatron_tracker()
     if tracker is not None:
@@ -144,7 +149,7 @@ def restore_rng(meta: Mapping[str, Any]) -> None:
     random.setstate(rng["python"])
     # Generator states are CPU byte tensors, wherever the file was mapped to.
     torch.set_rng_state(rng["torch"].cpu())
-    if rng.get("cuda") and torch.cuda.is_available():
+    if rng.get("cuda") and _cuda():
         torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"]])
     tracker = _megatron_tracker()
     if rng.get("cuda_tracker") and tracker is not None:
