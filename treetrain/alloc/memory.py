@@ -26,10 +26,6 @@ GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ROLES = ("actor", "critic", "ref")
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
-# The Megatron engine keeps bf16/fp16 parameters with fp32 master weights in a ZeRO-1
-# optimizer sharded over the data (x context) ranks when this is True; before that it keeps
-# fp32 parameters and full AdamW state on every rank. It follows treetrain/engines/zero.py.
-MEGATRON_ZERO1 = False
 # Rows of logits whose fp32 log-softmax is worked on at once (treetrain.logprob's default).
 LOGPROB_CHUNK = 1024
 # Fitted to the CPU peaks of bench/tree_memory.py (docs/engines.md, "Memory plan"): what the
@@ -82,6 +78,9 @@ class ModelShape:
                 f"model_type {family!r} is not one the engines build", f"use one of {', '.join(FAMILIES)}"
             )
         moe = family == "qwen3_moe"
+        if moe and "num_experts" not in config and "num_local_experts" in config:
+            # transformers >= 5 writes the expert count as num_local_experts.
+            config = {**config, "num_experts": config["num_local_experts"]}
         if moe:
             missing += [k for k in ("num_experts", "moe_intermediate_size", "num_experts_per_tok") if k not in config]
         elif "intermediate_size" not in config:
@@ -388,14 +387,14 @@ class MemoryPlan:
 def param_dtype(engine: str, dims: ParallelDims, dtype: str) -> str:
     """The dtype each engine stores (and steps) its parameters in: FSDP-sharded engines keep
     fp32 master weights when they shard (fsdp d > 1, archon d*c > 1) and compute in 16 bits;
-    Megatron keeps fp32 (or, with its ZeRO-1 optimizer, the compute dtype)."""
+    Megatron keeps fp32 parameters and runs 16-bit compute under autocast."""
     if dtype == "float32":
         return dtype
     if engine == "fsdp":
         return "float32" if dims.dp > 1 else dtype
     if engine == "archon":
         return "float32" if dims.dp * dims.cp > 1 else dtype
-    return dtype if MEGATRON_ZERO1 else "float32"
+    return "float32"
 
 
 def estimate(
@@ -441,7 +440,9 @@ def estimate(
             RankMemory(
                 stage=s,
                 parameters=numel * pbytes,
-                gradients=numel * pbytes if trained else 0,
+                gradients=numel * pbytes + _replicated_grad_bytes(m, engine, dims, first=s == 0, pbytes=pbytes)
+                if trained
+                else 0,
                 optimizer=optimizer,
                 activations=activation_bytes(
                     m,
@@ -467,15 +468,29 @@ def estimate(
 
 def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, int]], pdtype: str) -> int:
     """AdamW state: exp_avg and exp_avg_sq in the parameter dtype plus a 4-byte step per
-    tensor (torch's AdamW); Megatron's ZeRO-1 keeps fp32 moments (and an fp32 master copy of
-    16-bit parameters) for its 1/(d*c) share of dense and 1/edp share of expert elements."""
-    if engine == "megatron" and MEGATRON_ZERO1:
+    tensor (torch's AdamW). Megatron's ZeRO-1 (``engines/zero.py``, used as soon as the dense
+    weights' data x context group or the experts' expert-data group has several ranks) keeps,
+    per bucket, fp32 moments (and an fp32 master copy of 16-bit parameters) for its
+    ``1/(d*c)`` share of the dense elements and ``1/edp`` share of the expert ones, and one
+    step."""
+    if engine == "megatron":
         dense = sum(n for p, n in counts if not p.expert)
         expert = sum(n for p, n in counts if p.expert)
-        share = _ceil(dense, dims.dp * dims.cp) + _ceil(expert, dims.edp)
-        return share * (8 if pdtype == "float32" else 12)
+        buckets = [(n, size) for n, size in ((dense, dims.dp * dims.cp), (expert, dims.edp)) if n]
+        if any(size > 1 for _, size in buckets):
+            per_element = 8 if pdtype == "float32" else 12
+            return sum(_ceil(n, size) * per_element + 4 for n, size in buckets)
     numel = sum(n for _, n in counts)
     return 2 * numel * DTYPE_BYTES[pdtype] + 4 * len(counts)
+
+
+def _replicated_grad_bytes(m: ModelShape, engine: str, dims: ParallelDims, *, first: bool, pbytes: int) -> int:
+    """What a gradient holds beyond its parameter's shard: Archon's vocabulary-parallel
+    embedding gets a whole (replicated) ``[V, h]`` gradient on every tensor rank when no FSDP
+    reduce-scatters it (d*c = 1)."""
+    if engine != "archon" or dims.tp == 1 or dims.dp * dims.cp > 1 or not first:
+        return 0
+    return (m.vocab - m.vocab // dims.tp) * m.hidden * pbytes
 
 
 def _gathered_bytes(counts: list[tuple[Param, int]], engine: str, dims: ParallelDims, dtype: str, pdtype: str) -> int:
