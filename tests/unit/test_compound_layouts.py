@@ -29,8 +29,10 @@ from test_engine_dist import spawn_ranks
 WORLD = 4
 # 64-token trees over 16-token blocks: several micro-batches on every data rank.
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
-# Model name -> (Hugging Face family, layers): 2 layers without a pipeline, 4 with p2 (two a stage).
-MODELS = {"qwen3": ("qwen3", 2), "llama4": ("llama", 4), "moe": ("qwen3_moe", 2)}
+# Model name -> (Hugging Face family, layers, branching sets in its batch): 2 layers without a
+# pipeline, 4 with p2 (two a stage); four sets for the MoE model, whose d4 attention would
+# leave each data rank a single micro-batch of two.
+MODELS = {"qwen3": ("qwen3", 2, 2), "llama4": ("llama", 4, 2), "moe": ("qwen3_moe", 2, 4)}
 # (model, layout after the engine's name) for Archon and Megatron. The hybrid MoE layout:
 # Megatron runs tensor parallel attention into the experts; Archon refuses t on a MoE model
 # (it needs the model to say so, hence at build time), so it runs data parallel attention.
@@ -38,6 +40,12 @@ DENSE = [("qwen3", "d2t2"), ("llama4", "p2t2"), ("llama4", "p2c2"), ("qwen3", "d
 LAYOUTS = {
     "archon": [*DENSE, ("moe", "(attn:d4|ffn:e4)")],
     "megatron": [*DENSE, ("moe", "(attn:d2t2|ffn:e4)")],
+}
+# One spawn per engine family: FSDP's one compound layout shares Archon's process group
+# (both build a device mesh per backend string over the same ranks).
+CASES = {
+    "fsdp_archon": [("qwen3", "fsdp:d2t2"), *((m, f"archon:{lay}") for m, lay in LAYOUTS["archon"])],
+    "megatron": [(m, f"megatron:{lay}") for m, lay in LAYOUTS["megatron"]],
 }
 
 
@@ -58,7 +66,7 @@ def _save(name: str, root: Path) -> Path:
     random norms too (so a norm mapped to the wrong tensor shows)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    family, layers = MODELS[name]
+    family, layers, _ = MODELS[name]
     config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], "num_hidden_layers": layers})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -71,8 +79,8 @@ def _save(name: str, root: Path) -> Path:
     return path
 
 
-def _batch() -> Any:
-    return make_batch(branching_sequences() + branching_sequences(seed=1))
+def _batch(name: str) -> Any:
+    return make_batch([seq for seed in range(MODELS[name][2]) for seq in branching_sequences(seed=seed)])
 
 
 def _prepare(root: Path, names: set[str]) -> None:
@@ -80,7 +88,7 @@ def _prepare(root: Path, names: set[str]) -> None:
     computed once here rather than on every rank for every layout."""
     for name in names:
         path = _save(name, root)
-        value, grads, logps = reference(path, _batch(), SumLogprobLoss())
+        value, grads, logps = reference(path, _batch(name), SumLogprobLoss())
         torch.save({"loss": value, "grads": per_expert(grads), "logps": logps}, root / f"{name}-ref.pt")
 
 
@@ -99,17 +107,16 @@ def _hf_grads(engine: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _check(engine_name: str, name: str, layout: str, root: Path) -> None:
+def _check(name: str, backend: str, root: Path) -> None:
     from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
 
-    if engine_name == "megatron":
+    if backend.startswith("megatron:"):
         from treetrain.engines.megatron.parallel import reset_megatron
 
         reset_megatron()
-    backend = f"{engine_name}:{layout}"
     ref = torch.load(root / f"{name}-ref.pt")
-    batch = _batch()
+    batch = _batch(name)
     engine = build_engine(
         ModelSettings(path=str(root / name)),
         backend,
@@ -147,35 +154,30 @@ def _distance(got: torch.Tensor, want: torch.Tensor) -> str:
     return ""
 
 
-def _checks(engine_name: str, root: str, layouts: list[tuple[str, str]]) -> None:
+def _checks(root: str, cases: list[tuple[str, str]]) -> None:
     failed = []
-    for name, layout in layouts:
+    for name, backend in cases:
         try:
-            _check(engine_name, name, layout, Path(root))
+            _check(name, backend, Path(root))
         except Exception:
-            failed.append(f"{engine_name}:{layout}\n{traceback.format_exc()}")
+            failed.append(f"{backend}\n{traceback.format_exc()}")
     if failed:
-        raise AssertionError(f"{len(failed)} of {len(layouts)} layouts failed:\n" + "\n".join(failed))
+        raise AssertionError(f"{len(failed)} of {len(cases)} layouts failed:\n" + "\n".join(failed))
 
 
-def _run(engine_name: str, layouts: list[tuple[str, str]], root: Path) -> None:
-    _prepare(root, {name for name, _ in layouts})
-    spawn_ranks(_checks, WORLD, engine_name, str(root), layouts)
-
-
-@pytest.mark.slow
-def test_fsdp_data_by_tensor_matches_transformers(tmp_path: Path) -> None:
-    _run("fsdp", [("qwen3", "d2t2")], tmp_path)
+def _run(cases: list[tuple[str, str]], root: Path) -> None:
+    _prepare(root, {name for name, _ in cases})
+    spawn_ranks(_checks, WORLD, str(root), cases)
 
 
 @pytest.mark.slow
-def test_archon_compound_layouts_match_transformers(tmp_path: Path) -> None:
-    _run("archon", LAYOUTS["archon"], tmp_path)
+def test_fsdp_and_archon_compound_layouts_match_transformers(tmp_path: Path) -> None:
+    _run(CASES["fsdp_archon"], tmp_path)
 
 
 @pytest.mark.slow
 def test_megatron_compound_layouts_match_transformers(tmp_path: Path) -> None:
-    _run("megatron", LAYOUTS["megatron"], tmp_path)
+    _run(CASES["megatron"], tmp_path)
 
 
 def test_layouts_cover_each_compound_and_pass_validation() -> None:
