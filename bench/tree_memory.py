@@ -1,6 +1,7 @@
 """Peak memory of one training micro-batch on the CPU: a 32k-token tree vs the same sequences flat.
 
     python bench/tree_memory.py [--engines fsdp archon megatron] [--tokens 32768] [--vocab 4096]
+        [--rows micro-batch pipeline] [--micro-batches 8] [--pipeline-tokens 2048]
 
 The batch is ``bench/archon_gpu.py``'s: 8 samples of one shared prompt, half of ``--tokens``
 prompt and the rest split over the 8 answers, so the tree holds ``--tokens`` tokens and the

@@ -1,7 +1,8 @@
 """1F1B against GPipe in both pipeline engines. Pure: the order of forwards and backwards on
 each stage (every micro-batch once, a backward after its forward, backwards in micro-batch
 order, at most ``S - s`` micro-batches in flight on stage ``s``) and that the stages, with
-non-blocking sends and blocking receives, always finish. Then ``archon:p2`` and
+non-blocking sends and blocking receives, always finish; ``model.pipelineSchedule`` parses
+and refuses unknown orders. Then ``archon:p2`` and
 ``megatron:p2`` on 2 CPU processes over gloo, one engine each switched between the two
 schedules: six tree-packed branching micro-batches (of two sizes: Megatron exchanges each
 one's own shape) give identical loss, stats and gradients on every stage, and the bytes of
@@ -72,6 +73,17 @@ def test_the_stages_never_wait_on_each_other(schedule: Schedule, stages: int, mi
             pc[s] += 1
             moved = True
         assert moved, f"deadlock at {pc}"
+
+
+def test_the_schedule_setting() -> None:
+    from pydantic import ValidationError
+
+    from treetrain.config import ModelSettings
+
+    assert ModelSettings(path="m").pipeline_schedule == "1f1b"
+    assert ModelSettings.model_validate({"path": "m", "pipelineSchedule": "gpipe"}).pipeline_schedule == "gpipe"
+    with pytest.raises(ValidationError, match="pipelineSchedule"):
+        ModelSettings.model_validate({"path": "m", "pipelineSchedule": "interleaved"})
 
 
 # -- p2 on 2 processes -----------------------------------------------------------------------
