@@ -2,12 +2,11 @@
 each stage (every micro-batch once, a backward after its forward, backwards in micro-batch
 order, at most ``S - s`` micro-batches in flight on stage ``s``) and that the stages, with
 non-blocking sends and blocking receives, always finish; ``model.pipelineSchedule`` parses
-and refuses unknown orders. Then ``archon:p2`` and
-``megatron:p2`` on 2 CPU processes over gloo, one engine each switched between the two
-schedules: six tree-packed branching micro-batches (of two sizes: Megatron exchanges each
-one's own shape) give identical loss, stats and gradients on every stage, and the bytes of
-activations saved for the backward at the peak (``bench/tree_memory.py``'s ``SavedBytes``)
-are lower under 1F1B on every stage."""
+and refuses unknown orders. Then ``archon:p2`` and ``megatron:p2`` on 2 CPU processes over
+gloo, one engine each switched between the two schedules: six tree-packed branching
+micro-batches (of two sizes: Megatron exchanges each one's own shape) give identical loss,
+stats and gradients on every stage, and the bytes of activations saved for the backward at
+the peak (``bench/tree_memory.py``'s ``SavedBytes``) are lower under 1F1B on every stage."""
 
 from __future__ import annotations
 
