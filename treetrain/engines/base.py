@@ -237,7 +237,8 @@ class Engine(ABC):
         """Everything every engine checks and sets before it builds its model: the role, the
         resolved model source, the tree settings, the engine's own layout checks
         (:meth:`_prepare`), the attention backend (a trained role needs one with a backward
-        on this device: that fails here, not in the first step) and the packer's capacity."""
+        on this device: that fails here, not in the first step) and the packer's capacity;
+        then the engine's model (:meth:`_build`) and optimizer (:meth:`_build_optimizer`)."""
         check_role(role)
         self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
         self.settings = self.source.settings
@@ -249,13 +250,18 @@ class Engine(ABC):
         self.attention = resolve(tree.attention, layout.device, needs_grad=optimizer is not None)
         self._pack_config(tree=True)  # the packer's message when max_tokens_per_mb does not fit
         self.optim = optimizer
-        self.optimizer = None
         self.steps = 0
         self._sampler: torch.nn.Module | None = None
+        self._build()
+        self.optimizer = self._build_optimizer(optimizer)
 
     def _prepare(self) -> None:
         """Engine checks of the model against the layout, before anything is built."""
         return
+
+    @abstractmethod
+    def _build(self) -> None:
+        """Build this rank's :attr:`model` (and what the engine derives from it)."""
 
     def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
         """The optimizer, once :attr:`model` is built (None: forward only)."""

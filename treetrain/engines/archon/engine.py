@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta
-from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import from_hf, from_hf_state, to_hf
@@ -35,7 +34,7 @@ from treetrain.engines.archon.pipeline import StageShapes, exchange_tied_grad, k
 from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.grads import dtensor_pieces
-from treetrain.engines.source import ModelSource, SafetensorsFiles
+from treetrain.engines.source import SafetensorsFiles
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackedBatch, PackedTree, pad_tree
 
@@ -59,22 +58,12 @@ class ArchonEngine(Engine):
     layout: ArchonLayout
     engine_name = "archon"
 
-    def __init__(
-        self,
-        model: ModelSettings | ModelSource,
-        layout: ArchonLayout,
-        tree: TreeTrainingSettings,
-        optimizer: OptimizerSettings | None = None,
-        *,
-        role: str = "actor",
-    ) -> None:
-        super().__init__(model, layout, tree, optimizer, role=role)
+    def _build(self) -> None:
         self.compute_dtype: torch.dtype = getattr(torch, self.settings.dtype)
         # fp32 master weights where FSDP can cast for compute (data or context ranks > 1).
-        sharded = layout.dp * layout.cp > 1
+        sharded = self.layout.dp * self.layout.cp > 1
         self.param_dtype = torch.float32 if sharded and self.compute_dtype != torch.float32 else self.compute_dtype
-        self.model: nn.Module = self._build()
-        self.optimizer = self._build_optimizer(optimizer)
+        self.model: nn.Module = self._build_model()
 
     def _prepare(self) -> None:
         self.args = ModelArgs.from_hf(self.source.config)
@@ -100,7 +89,7 @@ class ArchonEngine(Engine):
         return None
 
     # -- building --------------------------------------------------------------------------
-    def _build(self) -> Transformer:
+    def _build_model(self) -> Transformer:
         """Build on the meta device, shard, allocate only this rank's shards, then load: every
         rank reads the checkpoint tensors it holds (memory-mapped safetensors)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -21,12 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta, tree_forward
-from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import build_parallel
-from treetrain.engines.parallel import ParallelLayout
-from treetrain.engines.source import ModelSource
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackedTree
 
@@ -37,18 +34,8 @@ class FSDPEngine(Engine):
 
     engine_name = "fsdp"
 
-    def __init__(
-        self,
-        model: ModelSettings | ModelSource,
-        layout: ParallelLayout,
-        tree: TreeTrainingSettings,
-        optimizer: OptimizerSettings | None = None,
-        *,
-        role: str = "actor",
-    ) -> None:
-        super().__init__(model, layout, tree, optimizer, role=role)
-        self.model: nn.Module = build_parallel(self.source, role, layout)
-        self.optimizer = self._build_optimizer(optimizer)
+    def _build(self) -> None:
+        self.model: nn.Module = build_parallel(self.source, self.role, self.layout)
 
     # -- one micro-batch -------------------------------------------------------------------
     def _run(self, tree: PackedTree, *, entropy: bool) -> MicroBatchRun:

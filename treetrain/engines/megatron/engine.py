@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from treetrain.attention import TreeAttentionMeta
-from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.config import OptimizerSettings
 from treetrain.engines import checkpoint_files as files
 from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
@@ -36,9 +36,9 @@ from treetrain.engines.megatron import convert
 from treetrain.engines.megatron.grads import GradPlan, build_optimizer, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
-from treetrain.engines.megatron.parallel import MegatronLayout, groups, ranks, sizes
+from treetrain.engines.megatron.parallel import groups, ranks, sizes
 from treetrain.engines.megatron.schedule import run_schedule
-from treetrain.engines.source import ModelSource, SafetensorsFiles
+from treetrain.engines.source import SafetensorsFiles
 from treetrain.engines.zero import ShardedAdamW
 from treetrain.logprob import TreeTensors
 from treetrain.tree import PackedBatch, PackedTree, pad_tree
@@ -63,18 +63,11 @@ class MegatronEngine(Engine):
 
     engine_name = "megatron"
 
-    def __init__(
-        self,
-        model: ModelSettings | ModelSource,
-        layout: MegatronLayout,
-        tree: TreeTrainingSettings,
-        optimizer: OptimizerSettings | None = None,
-        *,
-        role: str = "actor",
-    ) -> None:
-        super().__init__(model, layout, tree, optimizer, role=role)
-        hf = self.source.config
-        self.model: TreeGPT = TreeGPT(
+    model: TreeGPT
+
+    def _build(self) -> None:
+        hf, role, layout = self.source.config, self.role, self.layout
+        self.model = TreeGPT(
             hf,
             role=role,
             recompute=self.settings.gradient_checkpointing,
@@ -88,7 +81,6 @@ class MegatronEngine(Engine):
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
         self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
-        self.optimizer = self._build_optimizer(optimizer)
 
     def _prepare(self) -> None:
         self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
@@ -332,6 +324,8 @@ class MegatronEngine(Engine):
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named full gradients, put together on every rank (tests)."""
+        if isinstance(self.optimizer, ShardedAdamW):  # each rank holds only its summed shard
+            self.optimizer.gather_grads()
         offset = self._layer_offset()
         dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
         pieces: list[convert.Piece] = []
