@@ -77,6 +77,14 @@ _NORMS = {
 }
 
 
+def _layer_key(name: str, layer_offset: int) -> tuple[str, str]:
+    """The Hugging Face prefix of a layer parameter's global layer, and the rest of its name."""
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        raise EngineConfigError(f"no Hugging Face tensor maps to Megatron parameter {name!r}")
+    return f"model.layers.{int(m.group(1)) + layer_offset}.", m.group(2)
+
+
 def load_tensor(name: str, layer_offset: int, read: Read, s: Shape, *, tied: bool) -> torch.Tensor:
     """This rank's value of Megatron parameter ``name`` (a ``TreeGPT.gpt`` name; layer numbers
     are local to the pipeline stage, ``layer_offset`` makes them global)."""
@@ -86,11 +94,7 @@ def load_tensor(name: str, layer_offset: int, read: Read, s: Shape, *, tied: boo
         return read("model.embed_tokens.weight" if tied else "lm_head.weight", 0, s.tp_rank, s.tp)
     if name == "decoder.final_layernorm.weight":
         return read("model.norm.weight", 0, 0, 1)
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        raise EngineConfigError(f"no Hugging Face tensor maps to Megatron parameter {name!r}")
-    p = f"model.layers.{int(m.group(1)) + layer_offset}."
-    rest = m.group(2)
+    p, rest = _layer_key(name, layer_offset)
     if rest in _NORMS:
         return read(p + _NORMS[rest], 0, 0, 1)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
@@ -159,11 +163,7 @@ def export_pieces(name: str, value: torch.Tensor, layer_offset: int, s: Shape, *
     if name == "decoder.final_layernorm.weight":
         yield ("model.norm.weight", 0, 0, 1, t)
         return
-    m = _LAYER.fullmatch(name)
-    if m is None:
-        raise EngineConfigError(f"no Hugging Face tensor for Megatron parameter {name!r}")
-    p = f"model.layers.{int(m.group(1)) + layer_offset}."
-    rest = m.group(2)
+    p, rest = _layer_key(name, layer_offset)
     if rest in _NORMS:
         yield (p + _NORMS[rest], 0, 0, 1, t)
     elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
