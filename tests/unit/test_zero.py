@@ -3,7 +3,8 @@
 - On 2 gloo ranks, :class:`ShardedAdamW` over parameters whose total does not divide by the
   group (padding) takes the same steps as ``torch.optim.AdamW`` on the summed gradients
   (weight decay, clipping through ``scale_grads``), its norm is the summed gradients' norm,
-  and its per-rank state is half (plus padding) of AdamW's.
+  and its per-rank state is half (plus padding) of AdamW's; bf16 parameters step on an fp32
+  master shard and equal fp32 AdamW's parameters rounded to bf16.
 - ``megatron:d2`` against ``megatron:d1`` on a tiny Qwen3 with tree-packed branching
   batches: three steps with clipping active give the same losses, gradient norms and
   parameters (fp32, 1e-6), with at most 0.55x the optimizer bytes per rank; a checkpoint
@@ -92,6 +93,38 @@ def _sharded_vs_torch() -> None:
     fresh.load_state_dict(saved)
     assert torch.equal(fresh.flats[0].exp_avg, opt.flats[0].exp_avg)
     assert torch.equal(fresh.flats[0].exp_avg_sq, opt.flats[0].exp_avg_sq)
+    _bf16_master(settings)
+
+
+def _bf16_master(settings: dict[str, Any]) -> None:
+    """bf16 parameters step on an fp32 master shard: the parameters are the fp32 AdamW's
+    parameters rounded to bf16 (gradients whose sums are exact in bf16)."""
+    import torch.distributed as dist
+
+    from treetrain.engines.zero import Bucket, ShardedAdamW
+
+    torch.manual_seed(0)
+    init = [torch.randn(s).bfloat16().float() for s in SHAPES]
+    mine = [torch.nn.Parameter(t.bfloat16()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = ShardedAdamW([Bucket([(f"p{i}", p) for i, p in enumerate(mine)], dist.group.WORLD)], **settings)
+    assert opt.flats[0].master is not None and opt.flats[0].master.dtype == torch.float32
+    want = torch.optim.AdamW(ref, **settings)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    for step in range(STEPS):
+        local = [torch.randint(-8, 9, s, generator=gen) / 4 for s in SHAPES]
+        for p, g in zip(mine, local, strict=True):
+            assert p.grad is not None
+            p.grad += g.bfloat16()
+        for q, g in zip(ref, local, strict=True):
+            q.grad = g.clone()
+            dist.all_reduce(q.grad)
+        opt.reduce_grads()
+        opt.step()
+        want.step()
+        for p, q in zip(mine, ref, strict=True):
+            assert p.dtype == torch.bfloat16
+            assert torch.equal(p.detach(), q.detach().bfloat16()), step
 
 
 def _engine(root: Path, backend: str) -> Any:
