@@ -36,8 +36,9 @@ from treetrain.engines.grads import global_norm
 __all__ = ["Bucket", "ShardedAdamW", "all_gather_flat", "reduce_scatter_sum", "state_bytes"]
 
 
-def _nccl(group: Any) -> bool:
-    return bool(dist.get_backend(group) == "nccl")
+def _nccl(group: Any, t: torch.Tensor) -> bool:
+    """Whether NCCL runs this collective (CUDA tensors; a mixed ``cpu:gloo,cuda:nccl`` backend too)."""
+    return t.is_cuda and "nccl" in str(dist.get_backend(group))
 
 
 def reduce_scatter_sum(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
@@ -47,7 +48,7 @@ def reduce_scatter_sum(out: torch.Tensor, flat: torch.Tensor, group: Any) -> Non
     size = dist.get_world_size(group)
     if flat.numel() != size * out.numel():
         raise ValueError(f"reduce-scatter of {flat.numel()} elements into {size} slices of {out.numel()}")
-    if _nccl(group):
+    if _nccl(group, flat):
         dist.reduce_scatter_tensor(out, flat, group=group)
         return
     me = dist.get_rank(group)
@@ -64,7 +65,7 @@ def all_gather_flat(flat: torch.Tensor, group: Any) -> None:
     """Fill ``flat`` (1-D, ``size`` equal slices) in place with every rank's own slice."""
     size = dist.get_world_size(group)
     slices = flat.view(size, -1)
-    if _nccl(group):
+    if _nccl(group, flat):
         dist.all_gather_into_tensor(flat, slices[dist.get_rank(group)].clone(), group=group)
         return
     for j in range(size):
