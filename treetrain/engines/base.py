@@ -464,7 +464,7 @@ class Engine(ABC):
             "steps": self.steps,
             "rng": files.rng_state(),
             "extra": dict(extra),
-            "model_path": self.settings.path,
+            "model": self.settings.path,
             "engine": self.engine_name,
         }
         self._write(path, meta)
@@ -482,8 +482,8 @@ class Engine(ABC):
 
     def _same_run(self, meta: Mapping[str, Any], path: Path) -> None:
         """Refuse a checkpoint of another model or engine, with the fix."""
-        model = meta.get("model_path", meta.get("model", self.settings.path))  # older: "model"
-        engine = meta.get("engine", "fsdp")  # older FSDP checkpoints name none
+        model = meta.get("model_path", meta.get("model", self.settings.path))  # Megatron: model_path
+        engine = meta.get("engine", self.engine_name)  # older checkpoints name none
         if model != self.settings.path or engine != self.engine_name:
             raise EngineConfigError(
                 f"checkpoint {path} was written for model {model!r} by the {engine} engine, but this run trains "

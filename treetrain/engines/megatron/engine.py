@@ -247,6 +247,7 @@ class MegatronEngine(Engine):
         (resume needs the same backend string; :meth:`export_hf` is the layout-free copy)."""
         state = {
             **meta,
+            "model_path": meta["model"],  # "model" holds the weights here
             "layout": str(self.layout.allocation),
             "model": self.model.state_dict(),
             "optim": self.optimizer.state_dict() if self.optimizer is not None else None,
