@@ -3,16 +3,16 @@ them: d x t, d x c, t x p, p x c and a hybrid MoE with e4 (Megatron ``(attn:d2t2
 tensor parallel attention into four expert ranks; Archon, which refuses t on a MoE model,
 ``(attn:d4|ffn:e4)``). The FSDP engine refuses c, p and e, so it runs ``d2t2`` only.
 
-For each layout one ``forward_backward`` with a plain loss (minus the sum of the trained
+For each layout, one ``forward_backward`` with a plain loss (minus the sum of the trained
 tokens' log-probs) over tree-packed branching batches (several sequences sharing prefixes, at
-block boundaries and inside blocks; several micro-batches) gives the loss and the full
-gradients of each sequence run alone through the Hugging Face model (fp32: loss and gradients
-relative <= 1e-4, and the engine's one-collective gradient norm), and ``forward`` gives its per-sequence log-probs (<= 1e-5 abs).
+block boundaries and inside blocks; several micro-batches on every data rank) gives the loss,
+the gradient norm and the full gradients of each sequence run alone through the Hugging Face
+model (fp32, relative <= 1e-4), and ``forward`` its per-sequence log-probs (<= 1e-5 abs).
 
-One process group per engine runs all its layouts in turn (FSDP and Archon build one mesh per
-backend string over the same ranks; Megatron resets its one parallel state between layouts).
-A layout that fails does not hide the others: each rank runs every layout and the test fails
-at the end naming each failed layout with its error."""
+Two process groups in all: FSDP and Archon share one (each backend string builds its own mesh
+over the same ranks); Megatron resets its one parallel state between layouts. A layout that
+fails does not hide the others: every rank runs every layout, and the test then fails naming
+each failed layout with its error (every wrong gradient by name)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from test_engine_dist import spawn_ranks
 
 WORLD = 4
 # 64-token trees over 16-token blocks: several micro-batches on every data rank.
-TREE = {"max_tokens_per_mb": 64, "block_size": 16}
+MAX_TOKENS, BLOCK = 64, 16
 # Model name -> (Hugging Face family, layers, branching sets in its batch): 2 layers without a
 # pipeline, 4 with p2 (two a stage); four sets for the MoE model, whose d4 attention would
 # leave each data rank a single micro-batch of two.
@@ -69,7 +69,8 @@ def _save(name: str, root: Path) -> Path:
     family, layers, _ = MODELS[name]
     config = AutoConfig.for_model(family, **{**COMMON, **FAMILIES[family], "num_hidden_layers": layers})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    auto: Any = AutoModelForCausalLM  # untyped
+    model = auto.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("norm.weight"):
@@ -120,7 +121,7 @@ def _check(name: str, backend: str, root: Path) -> None:
     engine = build_engine(
         ModelSettings(path=str(root / name)),
         backend,
-        tree=TreeTrainingSettings(**TREE),
+        tree=TreeTrainingSettings.model_validate({"max_tokens_per_mb": MAX_TOKENS, "block_size": BLOCK}),
         optimizer=OptimizerSettings(lr=1e-3),
     )
     stats = engine.forward_backward(batch, SumLogprobLoss())
@@ -132,9 +133,10 @@ def _check(name: str, backend: str, root: Path) -> None:
     grads = _hf_grads(engine)
     assert set(grads) == set(ref["grads"]), (backend, sorted(set(grads) ^ set(ref["grads"])))
     # Every mismatch at once (a wrong gradient names its tensors), then the log-probs.
-    wrong = [f"{n}: {_distance(grads[n], want)}" for n, want in ref["grads"].items() if _distance(grads[n], want)]
+    distances = {n: _distance(grads[n], want) for n, want in ref["grads"].items()}
+    wrong = [f"{n}: {d}" for n, d in distances.items() if d]
     for i, (got, want) in enumerate(zip(engine.forward(batch.sequences), ref["logps"], strict=True)):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=lambda m, i=i: f"{backend} seq {i}: {m}")
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{backend} log-probs of sequence {i}")
     assert not wrong, f"{backend}: {len(wrong)} of {len(grads)} gradients differ from transformers':\n" + "\n".join(
         wrong
     )
