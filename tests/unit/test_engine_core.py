@@ -216,3 +216,26 @@ def test_megatron_cuda_tracker_states_round_trip(monkeypatch: pytest.MonkeyPatch
     meta["rng"]["cuda_tracker"] = {"model-parallel-rng": [1, 2]}
     with pytest.raises(EngineConfigError, match="cuda_tracker"):
         files.check_meta(meta, Path("rank0.pt"))
+
+
+def _max_stats_on_two_ranks() -> None:
+    """Every rank reports the batch's figures: data ranks reduced (``d2``), the last stage's
+    figures sent to the first (``p2``)."""
+    from treetrain.engines.megatron.parallel import reset_megatron
+
+    batch = _batch(0)
+    masked = [p * m for p, m in zip(batch.tensors["probe"], batch.loss_mask, strict=True)]
+    want_max = max(float(p.max()) for p in masked)
+    want_mean = sum(float(p.sum()) for p in masked) / batch.num_loss_tokens()
+    for backend in ("megatron:d2", "megatron:p2", "archon:p2", "fsdp:d2"):
+        reset_megatron()
+        stats = _engine(backend).forward_backward(batch, ProbeLoss())
+        assert stats.stats["probe_max"] == pytest.approx(want_max, rel=1e-6), backend
+        assert stats.stats["probe"] == pytest.approx(want_mean, rel=1e-6), backend
+
+
+@pytest.mark.slow
+def test_max_stats_are_the_batch_maxima_on_every_rank() -> None:
+    from test_engine_dist import spawn_ranks
+
+    spawn_ranks(_max_stats_on_two_ranks, 2)
