@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--json", action="store_true", help='print {"components": {...}, "total_gpus": N}')
     p.add_argument("--objects", action="store_true", help="also print the child objects the operator would create")
+    p.add_argument(
+        "--model-config",
+        metavar="CONFIG_JSON",
+        help="the model's Hugging Face config.json (or its directory): print each component's memory per GPU and "
+        "refuse a layout that does not fit spec.gpuMemoryGiB (default: spec.model.config)",
+    )
     p.set_defaults(func=_plan)
 
     c = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition (YAML)")
@@ -151,8 +157,18 @@ def _plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as err:
         print(f"rljob plan: error: cannot read {args.file}: {err}", file=sys.stderr)
         return 2
+    model_config = None
+    if args.model_config is not None:
+        from treetrain.alloc.memory import MemoryInputError
+        from treetrain.cli.memory import read_config
+
+        try:
+            model_config = read_config(args.model_config)
+        except MemoryInputError as err:
+            print(f"rljob plan: error: --model-config: {err}", file=sys.stderr)
+            return 2
     try:
-        result = plan(manifest)
+        result = plan(manifest, model_config=model_config)
     except PlanError as err:
         print(f"rljob plan: {args.file} is not a valid RLJob ({len(err.errors)} problems):", file=sys.stderr)
         for problem in err.errors:
@@ -165,6 +181,8 @@ def _plan(args: argparse.Namespace) -> int:
     }
     if (endpoint := result.openai_endpoint()) is not None:
         summary["openai_endpoint"] = endpoint
+    if result.memory is not None and not result.memory.skipped:  # a model config was given
+        summary["memory"] = result.memory.summary()
     if args.objects:
         summary["objects"] = result.objects
     if args.json:
@@ -180,6 +198,9 @@ def _plan(args: argparse.Namespace) -> int:
         )
     for line in _notes(summary["weight_sync"], summary["checkpoints"]):
         print(line)
+    if result.memory is not None:
+        for line in result.memory.lines():
+            print(line)
     if "openai_endpoint" in summary:
         print(f"agent endpoint: {summary['openai_endpoint']} (trainer rank 0; the RLJob's own pods reach it)")
     if args.objects:

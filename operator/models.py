@@ -59,6 +59,11 @@ class ModelSource(_Model):
         description="A Hugging Face model id (Qwen/Qwen3-8B) or, with `volume`, a path inside the volume.",
     )
     volume: VolumeRef | None = Field(default=None, description="Mount this claim at /models; `path` is inside it.")
+    config: dict[str, Any] | None = Field(
+        default=None,
+        description="The model's Hugging Face config.json, inline (optional): admission then estimates each "
+        "component's memory per GPU and refuses a layout that cannot fit.",
+    )
 
 
 class DataVolume(_Model):
@@ -217,6 +222,14 @@ class RLJobSpec(_Model):
     gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs of one node; pods fill whole nodes.")
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", min_length=1, description="Extended resource that pods request GPUs as."
+    )
+    gpu_memory_gib: float | None = Field(
+        default=None,
+        alias="gpuMemoryGiB",
+        gt=0,
+        le=4096,
+        description="Memory of one GPU in GiB, for the memory check (with model.config); unset: the smallest "
+        "nvidia.com/gpu.memory node label (MiB) among the nodes the pods can land on.",
     )
     rollout: RolloutEngine
     additional_rollouts: list[NamedRolloutEngine] = Field(

@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rljob_operator import admission
+from rljob_operator.gpu_memory import MemoryReport, check_memory
 from rljob_operator.models import GROUP, KIND, RESERVED_ENGINE_NAMES, VERSION, ComponentStatus, RLJobSpec, RolloutEngine
 from rljob_operator.network import API_KEY_ENV, NetworkSettings, api_key_secret, key_env, network_policy
 from rljob_operator.servers import multi_node_command, server_argv, server_auth, server_env, vllm_weight_sync
@@ -118,6 +119,7 @@ class Plan:
     config: TrainConfig | None = None  # what the trainer pods run (the ConfigMap), checked by its own rules
     objects: list[dict[str, Any]] = field(default_factory=list)
     restart: int = 0  # the trainer gang's generation: its rank 0 pod is the weight-sync rendezvous
+    memory: MemoryReport | None = None  # memory per GPU of each component (gpu_memory.check_memory)
 
     @property
     def total_gpus(self) -> int:
@@ -209,8 +211,19 @@ def _check_depth(manifest: dict[str, Any]) -> None:
             stack.extend((v, (*path, f"[{i}]")) for i, v in enumerate(node))
 
 
-def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits()) -> Plan:
-    """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation."""
+def plan(
+    manifest: dict[str, Any],
+    *,
+    restart: int = 0,
+    limits: Limits = Limits(),
+    model_config: dict[str, Any] | None = None,
+    node_gpu_mib: int | None = None,
+) -> Plan:
+    """Validate ``manifest`` and plan its children; ``restart`` names the trainer gang's generation.
+
+    Memory: with the model's config (``model_config``, else ``spec.model.config``) and a GPU
+    size (``spec.gpuMemoryGiB``, else ``node_gpu_mib``: the smallest ``nvidia.com/gpu.memory``
+    label of the nodes the pods can land on), a component that does not fit is refused."""
     errors: list[FieldError] = []
     if not isinstance(manifest, dict):
         raise PlanError([FieldError("(document)", "an RLJob manifest must be a mapping")])
@@ -248,9 +261,18 @@ def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits(
     config, config_errors = _check_trainer_config(name, namespace, spec, raw, components, restart)
     seen = {e.path for e in errors}
     errors += [e for e in config_errors if e.path not in seen]
+    memory: MemoryReport | None = None
     if spec is not None:
         errors += _check_weight_sync(spec)
         errors += check_admission(spec, config, limits)
+        memory = check_memory(
+            model_config if model_config is not None else spec.model.config,
+            components,
+            config,
+            gpu_memory_gib=spec.gpu_memory_gib,
+            node_gpu_mib=node_gpu_mib,
+        )
+        errors += [FieldError(path, message) for path, message in memory.problems]
     if errors or spec is None:
         raise PlanError(errors)
     result = Plan(name=name, namespace=namespace, spec=spec, components=components, config=config, restart=restart)
@@ -278,6 +300,7 @@ def plan(manifest: dict[str, Any], *, restart: int = 0, limits: Limits = Limits(
         config=config,
         objects=objects,
         restart=restart,
+        memory=memory,
     )
 
 

@@ -75,6 +75,9 @@ class Observed:
     pods: list[dict[str, Any]] = field(default_factory=list)
     services: list[dict[str, Any]] = field(default_factory=list)
     configmaps: list[dict[str, Any]] = field(default_factory=list)
+    # The smallest nvidia.com/gpu.memory label (MiB) of the nodes the pods can land on
+    # (gpu_memory.smallest_node_gpu_mib), for the memory check when spec.gpuMemoryGiB is unset.
+    node_gpu_mib: int | None = None
 
 
 @dataclass
@@ -146,6 +149,7 @@ def owned(rljob: dict[str, Any], observed: Observed) -> Observed:
         pods=observed.pods,
         services=mine(observed.services),
         configmaps=mine(observed.configmaps),
+        node_gpu_mib=observed.node_gpu_mib,
     )
 
 
@@ -223,7 +227,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
 
     restarts = _restarts(memory, observed)
     try:
-        desired = plan(rljob, restart=restarts, limits=limits)
+        desired = plan(rljob, restart=restarts, limits=limits, node_gpu_mib=observed.node_gpu_mib)
     except PlanError as err:
         cond.set("Valid", False, "InvalidSpec", str(err))
         status.update(phase="Failed", message=f"invalid spec: {err}", allocation={}, gpus=0)
