@@ -298,6 +298,11 @@ class Controller:
             for o in children[kind]
             if controlled_by(o, rljob["metadata"].get("uid"))
         }
+        spec = rljob.get("spec") or {}
+        if (spec.get("model") or {}).get("config") and spec.get("gpuMemoryGiB") is None:
+            # The memory check's GPU size: the smallest labelled node the pods can land on.
+            selector = (spec.get("scheduling") or {}).get("nodeSelector") or {}
+            observed.node_gpu_mib = self.kube.node_gpu_mib(selector if isinstance(selector, dict) else {})
         decision = decide(rljob, observed, datetime.now(UTC), self.limits)
         if decision.delete_self:
             self.kube.delete("RLJob", namespace, name)

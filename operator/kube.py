@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -46,6 +46,7 @@ _PATHS = {
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Secret": ("/api/v1", "secrets"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "Node": ("/api/v1", "nodes"),
     KIND: (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 
@@ -211,6 +212,18 @@ class Kube:
                 return None
             raise
         return obj
+
+    def node_gpu_mib(self, selector: Mapping[str, str]) -> int | None:
+        """The smallest ``nvidia.com/gpu.memory`` label (MiB) of the nodes ``selector`` picks;
+        None when none carries it or nodes cannot be listed (no RBAC grant: no memory check)."""
+        from rljob_operator.gpu_memory import smallest_node_gpu_mib
+
+        query = [("labelSelector", ",".join(f"{k}={v}" for k, v in selector.items()))] if selector else []
+        try:
+            data = self._call("list", "Node", "GET", "/api/v1/nodes", query=query)
+        except ApiException:
+            return None
+        return smallest_node_gpu_mib(data.get("items") or [], selector)
 
     def children(self, kind: str, namespace: str, rljob: str) -> list[dict[str, Any]]:
         selector = f"{LABEL_RLJOB}={rljob},app.kubernetes.io/managed-by={MANAGED_BY}"

@@ -130,3 +130,40 @@ def test_rljob_plan_model_config_flag(tmp_path: Path, capsys: pytest.CaptureFixt
     assert summary["components"]["actor"]["per_gpu_bytes"] <= 80 * 1024**3
     assert main(["plan", str(job), "--model-config", str(tmp_path / "missing.json")]) == 2
     assert "--model-config" in capsys.readouterr().err
+
+
+class _Nodes:
+    """A fake ApiClient answering a node list (status 200) or refusing it (403: no RBAC)."""
+
+    def __init__(self, status: int, nodes: list[dict[str, Any]]) -> None:
+        self.status, self.nodes, self.paths = status, nodes, []  # type: list[Any]
+
+    def param_serialize(self, method: str, path: str, **kwargs: Any) -> tuple[Any, ...]:
+        self.paths.append((path, kwargs.get("query_params")))
+        return (method, path)
+
+    def call_api(self, *args: Any, **kwargs: Any) -> Any:
+        outer = self
+
+        class Response:
+            status = outer.status
+            reason = "OK" if outer.status == 200 else "Forbidden"
+            data = json.dumps({"items": outer.nodes}).encode()
+
+            def read(self) -> None:
+                pass
+
+        return Response()
+
+
+def test_kube_reads_the_smallest_labelled_node() -> None:
+    from rljob_operator.kube import Kube
+
+    nodes = [
+        {"metadata": {"labels": {GPU_MEMORY_LABEL: "81559", "pool": "gpu"}}},
+        {"metadata": {"labels": {GPU_MEMORY_LABEL: "143771", "pool": "gpu"}}},
+    ]
+    client = _Nodes(200, nodes)
+    assert Kube(client).node_gpu_mib({"pool": "gpu"}) == 81559  # type: ignore[arg-type]
+    assert client.paths == [("/api/v1/nodes", [("labelSelector", "pool=gpu")])]
+    assert Kube(_Nodes(403, nodes)).node_gpu_mib({}) is None  # type: ignore[arg-type]
