@@ -28,10 +28,10 @@ ROLES = ("actor", "critic", "ref")
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 # Rows of logits whose fp32 log-softmax is worked on at once (treetrain.logprob's default).
 LOGPROB_CHUNK = 1024
-# Fitted to the CPU peaks of bench/tree_memory.py (docs/engines.md, "Memory plan"): what the
-# saved tensors listed in activation_bytes miss (autograd's extra copies, the attention
-# kernel's working set, allocator slack).
-ACTIVATION_SLACK = 1.15
+# Measured CPU peak over the saved tensors listed in activation_bytes (bench/tree_memory.py,
+# tiny Llama, fp32, 4k and 16k tree tokens, once the CPU attention kernel's scores are taken
+# out: docs/engines.md, "Memory plan"): autograd's extra copies and allocator slack.
+ACTIVATION_SLACK = {"fsdp": 1.15, "archon": 1.1, "megatron": 1.3}
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -532,7 +532,7 @@ def activation_bytes(
     adds the logits and their gradient (``V / t`` columns where the head is vocabulary
     parallel) and the fp32 log-softmax chunk. A reference model saves nothing for a backward:
     one layer's tensors and the logits. Tree attention keeps no ``N x N`` matrix. The sum is
-    multiplied by :data:`ACTIVATION_SLACK`, fitted to measured CPU peaks."""
+    multiplied by the engine's :data:`ACTIVATION_SLACK`, fitted to measured CPU peaks."""
     d = allocation.dims
     engine = allocation.backend
     b = DTYPE_BYTES[dtype]
@@ -561,7 +561,7 @@ def activation_bytes(
         cols = m.vocab // t if engine != "fsdp" else m.vocab
         copies = 1 if role == "ref" else 2  # the logits, and their gradient in the backward
         stored += n * cols * b * copies + min(n, LOGPROB_CHUNK) * cols * 4 * 2
-    return int(stored * ACTIVATION_SLACK) + gathered
+    return int(stored * ACTIVATION_SLACK[engine]) + gathered
 
 
 # -- rollout servers --------------------------------------------------------------------------
