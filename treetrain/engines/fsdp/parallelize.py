@@ -71,7 +71,12 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
     """Column-parallel q/k/v and gate/up leave each rank its own heads / MLP slice; the
     row-parallel o/down projections all-reduce back to a replicated hidden state, so the
     norms, embeddings and head stay plain replicated modules."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     config: Any = model.config
     tp = mesh.size()
@@ -97,7 +102,22 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh) -> None:
                 layer.get_submodule(name)
         except AttributeError as err:
             raise EngineConfigError(f"tensor parallel expects Llama-style decoder layers: {err}") from None
-        parallelize_module(layer, mesh, plan)
+        layer_plan = dict(plan)
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            if _has(layer, norm):
+                # Qwen3's per-head norms see only this rank's heads ([b, s, H/t, D]): replicated
+                # weights over head-sharded inputs, so their gradients are summed over the
+                # tensor ranks (as plain tensors each rank would step its heads' part alone).
+                layer_plan[norm] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(layer, mesh, layer_plan)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
