@@ -98,3 +98,29 @@ def test_d1_matches_each_sequence_alone_and_needs_tree_positions(recompute: bool
     assert sum(d > 1e-3 for d in off) >= 3, off
     engine.forward_backward(batch, loss)
     assert engine.step() > 0
+
+
+def test_bfloat16_keeps_bf16_weights_and_fp32_master_weights(tmp_path: Path) -> None:
+    """``model.dtype: bfloat16``: bf16 parameters and gradients, fp32 master weights in the
+    sharded optimizer (a group of one here), fp32 log-probs, and a resume that restores them."""
+    from treetrain.engines.zero import ShardedAdamW
+
+    settings = ModelSettings(path=str(save_model("qwen3", tmp_path)), dtype="bfloat16")
+    engine = build_engine(settings, "megatron:d1", tree=TREE, optimizer=OptimizerSettings(lr=1e-3))
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert isinstance(engine.optimizer, ShardedAdamW)
+    assert {f.master.dtype for f in engine.optimizer.flats if f.master is not None} == {torch.float32}
+    batch = make_batch(branching_sequences())
+    before = engine.forward(batch.sequences)
+    engine.forward_backward(batch, PPOLoss(LossSettings()))
+    assert engine.step() > 0
+    after = engine.forward(batch.sequences)
+    assert all(a.dtype == torch.float32 for a in after)
+    assert max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True)) > 0
+    engine.save(tmp_path / "ckpt", {})
+    masters = [f.master.clone() for f in engine.optimizer.flats if f.master is not None]
+    engine.forward_backward(batch, PPOLoss(LossSettings()))
+    engine.step()
+    engine.load(tmp_path / "ckpt")
+    restored = [f.master for f in engine.optimizer.flats if f.master is not None]
+    assert all(torch.equal(a, b) for a, b in zip(masters, restored, strict=True))

@@ -77,6 +77,12 @@ class MegatronEngine(Engine):
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
         self.shape = convert.shape_of(hf, self.sizes, self.ranks)
         self._load_weights()
+        if self.settings.dtype == "bfloat16":
+            # bf16 weights and gradients (half the bytes); a trained engine steps fp32 master
+            # weights in its sharded optimizer (:func:`.grads.build_optimizer`). Buffers (RoPE
+            # frequencies) stay fp32. float16 keeps fp32 weights under autocast (no loss scaler).
+            for p in self.model.parameters():
+                p.data = p.data.to(torch.bfloat16)
         self.model.to(layout.device)
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)

@@ -108,12 +108,13 @@ def build_optimizer(
     settings: OptimizerSettings | None,
 ) -> torch.optim.Optimizer | None:
     """The engine's AdamW: sharded over the data ranks (:class:`ShardedAdamW`, dense weights
-    over data x context, experts over expert-data) when either group has more than one rank,
-    else ``torch.optim.AdamW``. ``named``: every parameter of ``model`` by Megatron name."""
+    over data x context, experts over expert-data) when either group has more than one rank or
+    the weights are 16-bit (its fp32 master weights), else ``torch.optim.AdamW``. ``named``: every parameter of ``model`` by Megatron name."""
     dense = [(n, p) for n, p in named if not is_expert(n)]
     experts = [(n, p) for n, p in named if is_expert(n)]
     wide = [g for g, part in ((plan.groups["dp_cp"], dense), (plan.groups["edp"], experts)) if part]
-    if settings is None or all(dist.get_world_size(g) == 1 for g in wide):
+    low_precision = any(p.dtype != torch.float32 for _, p in named)  # needs fp32 master weights
+    if settings is None or (all(dist.get_world_size(g) == 1 for g in wide) and not low_precision):
         return adamw(model, settings)
     if {id(p) for p in model.parameters()} != {id(p) for _, p in named}:
         raise ValueError("the sharded optimizer needs every parameter of the model by name")
