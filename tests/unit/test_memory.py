@@ -110,16 +110,22 @@ def test_moe_expert_sharding() -> None:
 
 
 def test_megatron_zero1_shards_the_optimizer() -> None:
-    # fp32 parameters (16-bit compute under autocast); moments fp32 on 1/(d*c) of the elements.
-    for dtype in ("float32", "bfloat16"):
-        d2 = static("megatron:d2", dtype=dtype)
-        assert (d2.param_dtype, d2.parameters, d2.gradients) == ("float32", 4 * TOTAL, 4 * TOTAL)
-        assert d2.optimizer == 8 * (TOTAL // 2) + 4  # one bucket, one step
-        assert d2.optimizer <= 0.55 * static("megatron:d1", dtype=dtype).optimizer
-    assert static("megatron:c2").optimizer == 8 * (TOTAL // 2) + 4  # context ranks shard too
-    assert static("megatron:t2").optimizer == 8 * static("megatron:t2").param_count + 4 * TENSORS  # plain AdamW
+    # fp32: fp32 weights and gradients; moments fp32 on 1/(d*c) of the elements, one step.
+    d2 = static("megatron:d2", dtype="float32")
+    assert (d2.param_dtype, d2.parameters, d2.gradients) == ("float32", 4 * TOTAL, 4 * TOTAL)
+    assert d2.optimizer == 8 * (TOTAL // 2) + 4
+    assert d2.optimizer <= 0.55 * static("megatron:d1", dtype="float32").optimizer
+    assert static("megatron:c2", dtype="float32").optimizer == 8 * (TOTAL // 2) + 4  # context ranks shard too
+    t2 = static("megatron:t2", dtype="float32")
+    assert t2.optimizer == 8 * t2.param_count + 4 * TENSORS  # one data rank: plain AdamW
+    # bf16: bf16 weights and gradients, fp32 master weights beside the moments (also on one rank).
+    bf16 = static("megatron:d2", dtype="bfloat16")
+    assert (bf16.param_dtype, bf16.parameters, bf16.gradients) == ("bfloat16", 2 * TOTAL, 2 * TOTAL)
+    assert bf16.optimizer == 12 * (TOTAL // 2) + 4
+    assert static("megatron:d1", dtype="bfloat16").optimizer == 12 * TOTAL + 4
+    assert static("megatron:d1", dtype="float16").param_dtype == "float32"  # autocast over fp32
     # Hybrid MoE: dense over d2, experts whole on their one expert-data rank: two buckets.
-    moe = static("megatron:(attn:d2|ffn:e2)", moe_tiny())
+    moe = static("megatron:(attn:d2|ffn:e2)", moe_tiny(), dtype="float32")
     experts = 2 * 3 * 2 * 4 * 8
     assert moe.optimizer == 8 * ((moe.param_count - experts) // 2 + experts) + 8
 

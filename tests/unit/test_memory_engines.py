@@ -4,7 +4,7 @@ a forward-backward and a step, within 2%, for every letter of every engine.
 
 One 2-rank gloo spawn per engine runs its layouts in turn (FSDP d2 in fp32 and bf16 with its
 fp32 master weights, t2; Archon d2, t2, c2, p2 and a hybrid MoE with e2; Megatron d2, t2,
-c2, p2 and a hybrid MoE with e2), and one 1-rank spawn runs each engine's d1. Every rank is
+c2, p2, a hybrid MoE with e2, and d2 in bf16), and one 1-rank spawn runs each engine's d1. Every rank is
 compared with the estimate of its pipeline stage (the largest rank where FSDP's uneven
 shards differ)."""
 
@@ -30,6 +30,7 @@ ARCHON = [
 ]
 MEGATRON = [
     ("qwen3", "megatron:d2", "float32"),
+    ("qwen3", "megatron:d2", "bfloat16"),  # bf16 weights, fp32 masters in the sharded optimizer
     ("qwen3", "megatron:t2", "float32"),
     ("qwen3", "megatron:c2", "float32"),
     ("qwen2", "megatron:p2", "float32"),

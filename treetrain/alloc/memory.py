@@ -387,14 +387,15 @@ class MemoryPlan:
 def param_dtype(engine: str, dims: ParallelDims, dtype: str) -> str:
     """The dtype each engine stores (and steps) its parameters in: FSDP-sharded engines keep
     fp32 master weights when they shard (fsdp d > 1, archon d*c > 1) and compute in 16 bits;
-    Megatron keeps fp32 parameters and runs 16-bit compute under autocast."""
+    Megatron keeps bf16 parameters for ``model.dtype: bfloat16`` (fp32 master weights in its
+    optimizer) and fp32 ones otherwise (float16 runs under autocast)."""
     if dtype == "float32":
         return dtype
     if engine == "fsdp":
         return "float32" if dims.dp > 1 else dtype
     if engine == "archon":
         return "float32" if dims.dp * dims.cp > 1 else dtype
-    return "float32"
+    return "bfloat16" if dtype == "bfloat16" else "float32"
 
 
 def estimate(
@@ -469,15 +470,15 @@ def estimate(
 def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, int]], pdtype: str) -> int:
     """AdamW state: exp_avg and exp_avg_sq in the parameter dtype plus a 4-byte step per
     tensor (torch's AdamW). Megatron's ZeRO-1 (``engines/zero.py``, used as soon as the dense
-    weights' data x context group or the experts' expert-data group has several ranks) keeps,
-    per bucket, fp32 moments (and an fp32 master copy of 16-bit parameters) for its
-    ``1/(d*c)`` share of the dense elements and ``1/edp`` share of the expert ones, and one
-    step."""
+    weights' data x context group or the experts' expert-data group has several ranks, or the
+    weights are bf16) keeps, per bucket, fp32 moments (and an fp32 master copy of bf16
+    weights) for its ``1/(d*c)`` share of the dense elements and ``1/edp`` share of the expert
+    ones, and one step."""
     if engine == "megatron":
         dense = sum(n for p, n in counts if not p.expert)
         expert = sum(n for p, n in counts if p.expert)
         buckets = [(n, size) for n, size in ((dense, dims.dp * dims.cp), (expert, dims.edp)) if n]
-        if any(size > 1 for _, size in buckets):
+        if pdtype != "float32" or any(size > 1 for _, size in buckets):
             per_element = 8 if pdtype == "float32" else 12
             return sum(_ceil(n, size) * per_element + 4 for n, size in buckets)
     numel = sum(n for _, n in counts)
