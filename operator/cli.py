@@ -159,8 +159,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 2
     model_config = None
     if args.model_config is not None:
-        from treetrain.alloc.memory import MemoryInputError
-        from treetrain.cli.memory import read_config
+        from treetrain.alloc.memory import MemoryInputError, read_config
 
         try:
             model_config = read_config(args.model_config)

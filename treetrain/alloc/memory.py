@@ -15,9 +15,11 @@ dim, E experts, N tree tokens of one micro-batch.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from treetrain.alloc.model import Allocation, ParallelDims
@@ -41,6 +43,24 @@ class MemoryInputError(ValueError):
     def __init__(self, message: str, fix: str) -> None:
         self.message, self.fix = message, fix
         super().__init__(f"{message}; fix: {fix}")
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The config dict of a model directory (its config.json) or of a JSON file."""
+    target = Path(path)
+    if target.is_dir():
+        target = target / "config.json"
+    try:
+        config = json.loads(target.read_text())
+    except FileNotFoundError:
+        raise MemoryInputError(
+            f"no file {target}", "give a model directory with config.json, or the JSON file"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MemoryInputError(f"cannot read {target}: {err}", "give a Hugging Face config.json") from None
+    if not isinstance(config, dict):
+        raise MemoryInputError(f"{target} is not a JSON object", "give a Hugging Face config.json")
+    return config
 
 
 # -- the model --------------------------------------------------------------------------------

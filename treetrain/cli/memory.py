@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from treetrain.alloc import AllocationError, parse
@@ -19,6 +18,7 @@ from treetrain.alloc.memory import (
     MemoryPlan,
     estimate,
     fitting_layout,
+    read_config,
     server_weight_bytes,
 )
 
@@ -52,24 +52,6 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="one JSON object; per_rank holds the largest rank's bytes")
     p.set_defaults(func=run)
-
-
-def read_config(path: str) -> dict[str, Any]:
-    """The config dict of a model directory (its config.json) or of a JSON file."""
-    target = Path(path)
-    if target.is_dir():
-        target = target / "config.json"
-    try:
-        config = json.loads(target.read_text())
-    except FileNotFoundError:
-        raise MemoryInputError(
-            f"no file {target}", "give a model directory with config.json, or the JSON file"
-        ) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MemoryInputError(f"cannot read {target}: {err}", "give a Hugging Face config.json") from None
-    if not isinstance(config, dict):
-        raise MemoryInputError(f"{target} is not a JSON object", "give a Hugging Face config.json")
-    return config
 
 
 def run(args: argparse.Namespace) -> int:
