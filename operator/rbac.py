@@ -32,4 +32,7 @@ RULES: list[dict[str, Any]] = [
     # With --namespace, kopf observes namespaces and CRDs to follow them as they come and go.
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+    # Admission's memory plan reads the nvidia.com/gpu.memory label of the nodes an RLJob can
+    # land on (cluster-scoped: listed, never watched or changed).
+    {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]},
 ]

@@ -122,9 +122,9 @@ def test_rbac_watched_namespaces_grant_only_there(render: Render) -> None:
     namespaced = one(docs, "ClusterRole", "rel-rljob-operator")
     cluster = one(docs, "ClusterRole", "rel-rljob-operator-cluster")
     assert namespaced["rules"] + cluster["rules"] == RULES
-    # Only namespaces and CRDs are cluster-wide, and only to list and watch.
-    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {"namespaces", "customresourcedefinitions"}
-    assert all(rule["verbs"] == ["list", "watch"] for rule in cluster["rules"])
+    # Only namespaces and CRDs (list, watch) and nodes (list) are cluster-wide.
+    verbs = {r: rule["verbs"] for rule in cluster["rules"] for r in rule["resources"]}
+    assert verbs == {"namespaces": ["list", "watch"], "customresourcedefinitions": ["list", "watch"], "nodes": ["list"]}
     bindings = [d for d in docs if d["kind"] == "RoleBinding"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["roleRef"]["name"] == "rel-rljob-operator" for b in bindings)
