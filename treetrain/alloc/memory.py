@@ -243,26 +243,31 @@ def archon_head_cost(m: ModelShape, tokens: int, *, value_head: bool) -> float:
     return float(tokens * (4 * m.hidden + head))
 
 
-def split_min_max(costs: Sequence[float], stages: int, *, last: float = 0.0) -> list[range]:
-    """Contiguous ranges, one per stage, minimising the costliest stage (the last also pays
-    ``last``); among equal splits the later start wins, so earlier stages take more layers."""
+def split_min_max(costs: Sequence[float], stages: int, *, first: float = 0.0, last: float = 0.0) -> list[range]:
+    """Contiguous ranges, one per stage and at least one layer each, minimising the costliest
+    stage; the first stage also pays ``first`` (the embedding), the last ``last`` (the head).
+    Among equal splits the later start wins, so earlier stages take more layers. The Archon
+    engine splits its pipeline stages with this function (``archon/pipeline.py``)."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise MemoryInputError(f"p{stages} needs at least {stages} layers, the model has {n}", f"use p <= {n}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
+
+    def stage_cost(s: int, i: int, j: int) -> float:
+        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
+
     inf = float("inf")
     # cheapest[s][j]: the best costliest stage when stages 0..s hold layers [0, j).
     cheapest = [[inf] * (n + 1) for _ in range(stages)]
     begin = [[0] * (n + 1) for _ in range(stages)]
     for j in range(1, n + 1):
-        cheapest[0][j] = prefix[j] + (last if stages == 1 else 0.0)
+        cheapest[0][j] = stage_cost(0, 0, j)
     for s in range(1, stages):
-        extra = last if s == stages - 1 else 0.0
         for j in range(s + 1, n + 1):
             for i in range(s, j):
-                worst = max(cheapest[s - 1][i], prefix[j] - prefix[i] + extra)
+                worst = max(cheapest[s - 1][i], stage_cost(s, i, j))
                 if worst <= cheapest[s][j]:
                     cheapest[s][j], begin[s][j] = worst, i
     bounds = [n]

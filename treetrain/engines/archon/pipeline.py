@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from treetrain.alloc.memory import split_min_max
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.tree import pad_tree as pad_tree  # one padding for every engine; re-exported
@@ -53,40 +54,8 @@ def head_cost(args: ModelArgs, tokens: int, *, value_head: bool) -> float:
     return float(tokens * (4 * args.dim + head))
 
 
-def split_layers(costs: Sequence[float], stages: int, *, first: float = 0.0, last: float = 0.0) -> list[range]:
-    """Contiguous layer ranges, one per stage and at least one layer each, that minimise the
-    costliest stage; the first stage also pays ``first`` (the embedding), the last ``last``
-    (the head). Among equal splits, earlier stages take more layers."""
-    n = len(costs)
-    if not 1 <= stages <= n:
-        raise ValueError(f"{stages} pipeline stages need at least {stages} layers, the model has {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def stage_cost(s: int, i: int, j: int) -> float:
-        return prefix[j] - prefix[i] + (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
-
-    # best[s][j]: the cheapest costliest stage when stages 0..s hold layers 0..j-1.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages)]
-    start = [[0] * (n + 1) for _ in range(stages)]
-    for j in range(1, n + 1):
-        best[0][j] = stage_cost(0, 0, j)
-    for s in range(1, stages):
-        for j in range(s + 1, n + 1):
-            for i in range(s, j):
-                worst = max(best[s - 1][i], stage_cost(s, i, j))
-                if worst <= best[s][j]:  # ties: the later start, so earlier stages take more
-                    best[s][j], start[s][j] = worst, i
-    ranges: list[range] = []
-    j = n
-    for s in range(stages - 1, 0, -1):
-        i = start[s][j]
-        ranges.append(range(i, j))
-        j = i
-    ranges.append(range(0, j))
-    return ranges[::-1]
+# The split itself is pure and shared with the memory plan (which must predict it exactly).
+split_layers = split_min_max
 
 
 def stage_layers(args: ModelArgs, stages: int, *, tokens: int, value_head: bool) -> list[range]:
