@@ -7,7 +7,7 @@ gradient norm, one safetensors reader) keep their contracts."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +38,7 @@ TREE = TreeTrainingSettings(max_tokens_per_mb=16, block_size=8)
 OPTIM = OptimizerSettings(lr=1e-2, max_grad_norm=0.5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _megatron_state() -> Iterator[None]:
-    """megatron-core needs a process group even for one process; leave none behind."""
-    yield
-    import torch.distributed as dist
-
-    from treetrain.engines.megatron.parallel import reset_megatron
-
-    reset_megatron()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("megatron_one_process")
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,6 @@ ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,7 @@ from treetrain.rl.losses import PPOLoss
 TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_process() -> Iterator[None]:
-    """megatron-core needs a process group even for one process; leave none behind."""
-    yield
-    import torch.distributed as dist
-
-    from treetrain.engines.megatron.parallel import reset_megatron
-
-    reset_megatron()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("megatron_one_process")
 
 
 @pytest.mark.parametrize(

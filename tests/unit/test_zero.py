@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +30,7 @@ OPTIM = {"lr": 1e-3, "weight_decay": 0.01, "max_grad_norm": 0.05}
 SHAPES = [(7, 3), (5,), (2, 2, 2)]  # 34 elements: 17 per rank; and 1 more below to pad
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_process() -> Iterator[None]:
-    """megatron:d1 runs in this process (megatron-core needs a process group); leave none."""
-    yield
-    import torch.distributed as dist
-
-    from treetrain.engines.megatron.parallel import reset_megatron
-
-    reset_megatron()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("megatron_one_process")
 
 
 def _sharded_vs_torch() -> None:
