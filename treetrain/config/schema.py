@@ -75,7 +75,7 @@ class TreeTrainingSettings(Section):
         default=32768,
         ge=1,
         alias="maxTokensPerMicrobatch",
-        description="Capacity of one packed micro-batch, in tree tokens; a multiple of lcm(blockSize, t).",
+        description="Capacity of one packed micro-batch, in tree tokens; a multiple of lcm(blockSize, t*c) (t*c: the ranks that split one tree's tokens).",
     )
     attention: AttentionName = Field(
         default="auto", description="Tree attention backend; auto: flex on CUDA, sparse elsewhere."
