@@ -117,6 +117,38 @@ def test_engine_support_is_one_table() -> None:
             C.check_training_backend(backend)
 
 
+def _runs(backend: str) -> bool:
+    """Whether ``backend`` passes validation (training: the engine-support table too)."""
+    from treetrain.alloc import AllocationError, parse
+
+    try:
+        if backend.startswith(("sglang", "vllm")):
+            parse(backend)
+        else:
+            C.check_training_backend(backend)
+    except (AllocationError, ValueError):
+        return False
+    return True
+
+
+def test_the_readme_letter_table_is_what_validation_accepts() -> None:
+    """Each engine column of the README's letter table says what the parser and the
+    engine-support table accept (a letter alone at size 2, beside d2 for e: e adds no GPUs)."""
+    readme = (ROOT / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    header = next(line for line in readme.splitlines() if line.startswith("| letter |"))
+    columns = [c.strip() for c in header.strip("|").split("|")][2:]
+    assert columns == ["sglang, vllm", "fsdp", "megatron, archon"]
+    assert len(rows) == 5
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        letter = cells[0].strip("`")
+        dims = f"d2{letter}2" if letter == "e" else f"{letter}2"
+        for column, mark in zip(columns, cells[2:], strict=True):
+            for engine in column.split(", "):
+                assert _runs(f"{engine}:{dims}") == (mark == "✓"), f"README says {mark} for {letter} on {engine}"
+
+
 def test_the_trainer_config_reference_in_the_docs_is_generated() -> None:
     doc = (ROOT / "docs" / "trainer.md").read_text()
     begin = doc.index("-->\n", doc.index("<!-- BEGIN generated")) + 4
