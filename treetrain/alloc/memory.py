@@ -232,7 +232,7 @@ def archon_layer_costs(m: ModelShape, tokens: int) -> list[float]:
     """Forward FLOPs per layer on a tree of ``tokens`` tokens (attention at a full causal mask)."""
     d, hd = m.hidden, m.heads * m.head_dim
     proj = 2 * d * (hd + 2 * m.kv_heads * m.head_dim) + 2 * hd * d
-    attention = 2 * hd * (tokens + 1)
+    attention = 2 * hd * (tokens + 1)  # q.k and p.v, each query over (tokens + 1) / 2 keys on average
     dense = 6 * d * m.ffn
     moe = 2 * d * m.experts + m.top_k * 6 * d * m.moe_ffn
     return [float(tokens * (proj + attention + (moe if i in m.moe_layers else dense))) for i in range(m.layers)]

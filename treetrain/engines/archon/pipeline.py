@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from treetrain.alloc.memory import split_min_max
+from treetrain.alloc.memory import ModelShape, archon_head_cost, archon_layer_costs, split_min_max
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.tree import pad_tree as pad_tree  # one padding for every engine; re-exported
@@ -35,23 +35,36 @@ from treetrain.tree import pad_tree as pad_tree  # one padding for every engine;
 # -- the layer split -------------------------------------------------------------------------
 
 
+def _shape(args: ModelArgs) -> ModelShape:
+    """The memory plan's view of ``args``: the FLOP model of the split lives there, once, so
+    the plan predicts the stages the engine builds."""
+    return ModelShape(
+        family=args.family,
+        vocab=args.vocab_size,
+        hidden=args.dim,
+        layers=args.n_layers,
+        heads=args.n_heads,
+        kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        ffn=args.ffn_dim,
+        experts=args.n_experts,
+        top_k=args.top_k,
+        moe_ffn=args.moe_ffn_dim,
+        moe_layers=tuple(args.moe_layers),
+    )
+
+
 def layer_costs(args: ModelArgs, tokens: int) -> list[float]:
     """Forward FLOPs of each layer on one tree of ``tokens`` tokens. Attention is counted at
     a full causal mask (an upper bound: a tree mask only removes pairs), so longer trees make
     the layers heavier relative to the head."""
-    d, hd = args.dim, args.n_heads * args.head_dim
-    proj = 2 * d * (hd + 2 * args.n_kv_heads * args.head_dim) + 2 * hd * d
-    attention = 2 * hd * (tokens + 1)  # q.k and p.v, each query over (tokens + 1) / 2 keys on average
-    dense = 6 * d * args.ffn_dim
-    moe = 2 * d * args.n_experts + args.top_k * 6 * d * args.moe_ffn_dim
-    return [float(tokens * (proj + attention + (moe if i in args.moe_layers else dense))) for i in range(args.n_layers)]
+    return archon_layer_costs(_shape(args), tokens)
 
 
 def head_cost(args: ModelArgs, tokens: int, *, value_head: bool) -> float:
     """Forward FLOPs of the last stage's extra work: the final norm and the head (the
     vocabulary projection and its log-softmax, or one value per token)."""
-    head = 2 * args.dim + 1 if value_head else 2 * args.dim * args.vocab_size + 4 * args.vocab_size
-    return float(tokens * (4 * args.dim + head))
+    return archon_head_cost(_shape(args), tokens, value_head=value_head)
 
 
 # The split itself is pure and shared with the memory plan (which must predict it exactly).
