@@ -16,9 +16,10 @@ import torch
 from treetrain.alloc import parse
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
 from treetrain.engines import EngineConfigError, build_engine
-from treetrain.engines.archon import ArchonEngine, grad_norm, mesh_shapes
+from treetrain.engines.archon import ArchonEngine, mesh_shapes
 from treetrain.engines.archon.model import ModelArgs
 from treetrain.engines.base import TrainBatch
+from treetrain.engines.grads import grad_norm
 from treetrain.rl.losses import PPOLoss, ValueLoss
 
 TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)

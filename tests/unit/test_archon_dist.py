@@ -43,7 +43,7 @@ def _reference(model_dir: str, role: str, batch: Any, loss: Any) -> tuple[float,
 def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.archon import grad_norm
+    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))
@@ -116,7 +116,7 @@ def _next_step(engine: Any, batch: Any, loss: Any) -> tuple[float, float, float]
 def _check_critic(model_dir: str, backend: str) -> None:
     from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.archon import grad_norm
+    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import ValueLoss
 
     loss = ValueLoss(ValueLossSettings())

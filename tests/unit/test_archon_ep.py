@@ -22,7 +22,7 @@ TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 def _check(model_dir: str, backend: str, tmp: Path, *, round_trip: bool) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.archon import grad_norm
+    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))

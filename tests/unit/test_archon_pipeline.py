@@ -163,7 +163,7 @@ def _batches() -> list[Any]:
 def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.archon import grad_norm
+    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))
@@ -227,7 +227,7 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
 def _check_critic(model_dir: str, backend: str) -> None:
     from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.archon import grad_norm
+    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import ValueLoss
 
     loss = ValueLoss(ValueLossSettings())

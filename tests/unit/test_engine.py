@@ -13,7 +13,8 @@ import treetrain
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import EngineConfigError, build_engine
 from treetrain.engines.base import TrainBatch
-from treetrain.engines.fsdp import FSDPEngine, grad_norm
+from treetrain.engines.fsdp import FSDPEngine
+from treetrain.engines.grads import grad_norm
 from treetrain.engines.source import ModelSource
 from treetrain.rl.losses import PPOLoss
 

@@ -112,7 +112,7 @@ def _check_grad_norm(engine: Any, backend: str) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
     from treetrain.engines.base import scale_grads
-    from treetrain.engines.fsdp import grad_norm
+    from treetrain.engines.grads import grad_norm
 
     full = engine.full_grads()
     want = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in full.values()])).float()

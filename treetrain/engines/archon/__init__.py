@@ -12,6 +12,5 @@ Build engines with :func:`treetrain.engines.build_engine` (``archon:...``).
 
 from treetrain.engines.archon.engine import ArchonEngine
 from treetrain.engines.archon.layout import ArchonLayout, init_layout, mesh_shapes
-from treetrain.engines.grads import grad_norm
 
-__all__ = ["ArchonEngine", "ArchonLayout", "grad_norm", "init_layout", "mesh_shapes"]
+__all__ = ["ArchonEngine", "ArchonLayout", "init_layout", "mesh_shapes"]

@@ -2,8 +2,8 @@
 
 - :mod:`.model`: building the model from a resolved :class:`~treetrain.engines.source.ModelSource` (:func:`build_model`, :class:`ValueModel` for the critic) and loading it sharded;
 - :mod:`.parallelize`: tensor parallel, then FSDP2 with mixed precision (:func:`parallelize`);
-- :mod:`.engine`: :class:`FSDPEngine` (packing, micro-batches, optimizer, checkpoints) and the
-  one-collective :func:`grad_norm`.
+- :mod:`.engine`: :class:`FSDPEngine` (its hooks into the engine core,
+  :class:`treetrain.engines.base.Engine`; the gradient norm is :mod:`treetrain.engines.grads`).
 
 Build engines with :func:`treetrain.engines.build_engine`.
 """
@@ -12,7 +12,6 @@ from treetrain.engines.base import ROLES
 from treetrain.engines.fsdp.engine import FSDPEngine
 from treetrain.engines.fsdp.model import ValueModel, build_model, hf_config, load_sharded
 from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, mixed_precision, parallelize, param_dtype
-from treetrain.engines.grads import grad_norm
 
 __all__ = [
     "ROLES",
@@ -21,7 +20,6 @@ __all__ = [
     "apply_fsdp",
     "apply_tp",
     "build_model",
-    "grad_norm",
     "hf_config",
     "load_sharded",
     "mixed_precision",
