@@ -431,9 +431,12 @@ def test_the_embedded_default_is_a_valid_config() -> None:
     assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400
 
 
-def torchrun(config: dict[str, Any], path: Path, *extra: str, restart: int = 0) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    config: dict[str, Any], path: Path, *extra: str, restart: int = 0, monitor_s: float | None = None
+) -> subprocess.CompletedProcess[str]:
     """``treetrain train`` under torchrun with 2 CPU ranks (what a trainer pod runs), ``config``
-    written to ``path``; rendezvous on a free loopback port."""
+    written to ``path``; rendezvous on a free loopback port. ``monitor_s``: torchrun's polling
+    interval (it stops the other ranks on the first poll that finds one rank exited)."""
     import socket
 
     path.write_text(yaml.safe_dump(config))
@@ -442,7 +445,8 @@ def torchrun(config: dict[str, Any], path: Path, *extra: str, restart: int = 0) 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(port), "-m", "treetrain.cli", "train", str(path), *extra]
+    cmd += ["--master-port", str(port)] + (["--monitor-interval", str(monitor_s)] if monitor_s else [])
+    cmd += ["-m", "treetrain.cli", "train", str(path), *extra]
     env["TREETRAIN_RESTART"] = str(restart)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
 

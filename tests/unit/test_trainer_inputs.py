@@ -6,6 +6,7 @@ no traceback. Tiny models, one process; a few run as a real subprocess."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -293,10 +294,17 @@ def test_a_foreign_checkpoint_file_on_one_rank_stops_every_rank_with_one_line(tm
     assert first.returncode == 0, first.stderr[-3000:]
     meta = tmp_path / "ckpt" / "step-00000001" / "actor-rank1.pt"
     torch.save([1, 2], meta)
-    second = torchrun(raw, config, "--steps", "2", restart=1)
+    # torchrun stops the other ranks (SIGTERM) on the first poll that finds one exited: poll
+    # slowly, so a rank that is still unwinding from the same error is not cut short.
+    second = torchrun(raw, config, "--steps", "2", restart=1, monitor_s=5)
     assert second.returncode != 0
     errors = [line for line in second.stderr.splitlines() if line.startswith("treetrain train: error: ")]
-    assert errors and all(f"{meta} is not a checkpoint file" in line for line in errors), second.stderr[-3000:]
-    assert second.stderr.count("exitcode  : 2") == 2, second.stderr[-3000:]  # torchrun's summary: both ranks
+    # One line per rank: rank 0 (whose own file is fine) reached the same error, not a collective wait.
+    assert len(errors) == 2 and all(f"{meta} is not a checkpoint file" in line for line in errors), second.stderr[
+        -3000:
+    ]
+    # torchrun's summary: each rank exited 2, or (a loaded machine) was stopped after printing its line.
+    codes = re.findall(r"^\s*exitcode\s+: (-?\d+)", second.stderr, re.MULTILINE)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, second.stderr[-3000:]
     assert "treetrain/" not in second.stderr.replace(str(tmp_path), ""), second.stderr[-3000:]  # no frame of ours
     assert "step 2/2" not in second.stdout
