@@ -468,7 +468,7 @@ def test_sequence_reductions_tree_equals_flat(
 def test_every_preset_trains(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each preset through the real trainer (tiny model, 2 steps): finite losses, and the
     sequence options reach the loss (gspo's ratio is 1 at one update per batch, exactly)."""
-    from test_train import small
+    from helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer

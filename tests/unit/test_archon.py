@@ -6,12 +6,11 @@ mapping of every letter."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from helpers.archon import FAMILY_CONFIGS, SEQS, hf_config, hf_logprobs, save_tiny
 
 from treetrain.alloc import parse
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
@@ -23,87 +22,6 @@ from treetrain.engines.grads import grad_norm
 from treetrain.rl.losses import PPOLoss, ValueLoss
 
 TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)
-_BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
-FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {"model_type": "llama", **_BASE, "num_attention_heads": 4, "num_key_value_heads": 2},
-    # 3 heads (c2 cannot split them) and llama3 RoPE scaling with a short original context.
-    "llama3": {
-        "model_type": "llama",
-        **_BASE,
-        "hidden_size": 48,
-        "num_attention_heads": 3,
-        "num_key_value_heads": 1,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-        },
-    },
-    "qwen2": {"model_type": "qwen2", **_BASE, "num_attention_heads": 4, "num_key_value_heads": 2},
-    "qwen3": {
-        "model_type": "qwen3",
-        **_BASE,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "tie_word_embeddings": True,
-    },
-    "qwen3_moe": {
-        "model_type": "qwen3_moe",
-        **_BASE,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "norm_topk_prob": True,
-    },
-}
-# Branch points at block boundaries (16) and inside blocks, a prefix sequence, a duplicate,
-# a one-token branch, and a sequence that shares nothing.
-_TRUNK = [(7 * i) % 120 + 3 for i in range(16)]
-SEQS = [
-    [*_TRUNK, 5, 6, 7, 8, 9],
-    [*_TRUNK, 10, 11, 12],
-    [*_TRUNK, 10, 11, 12],
-    [*_TRUNK[:9], 40, 41, 42, 43, 44, 45],
-    _TRUNK[:9],
-    [*_TRUNK, 10, 11, 12, 13],
-    [*_TRUNK, 99],
-    [60, 61, 62, 63, 64, 65, 66],
-]
-
-
-def save_tiny(family: str, path: Path, seed: int = 0) -> Path:
-    """A tiny random Hugging Face model of ``family``, saved as a directory."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = copy.deepcopy(FAMILY_CONFIGS[family])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)  # large enough for routers and norms to matter
-    model.save_pretrained(path)
-    return path
-
-
-def hf_logprobs(model_dir: str | Path, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence alone through transformers."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    out = []
-    with torch.no_grad():
-        for seq in seqs:
-            ids = torch.tensor(seq)[None]
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-            out.append(logp[torch.arange(len(seq) - 1), ids[0, 1:]])
-    return out
 
 
 def _batch(seqs: list[list[int]], seed: int = 0) -> TrainBatch:
@@ -120,10 +38,7 @@ def _batch(seqs: list[list[int]], seed: int = 0) -> TrainBatch:
     )
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")  # the engine reads no environment
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 @pytest.fixture(scope="module")
@@ -264,13 +179,6 @@ def test_one_mesh_mapping_for_every_letter(
 def test_tensor_parallel_sizes_are_checked(models: dict[str, Path]) -> None:
     from treetrain.engines.archon.parallelize import check_tp
 
-    args = ModelArgs.from_hf(_config("llama3"))
+    args = ModelArgs.from_hf(hf_config("llama3"))
     with pytest.raises(EngineConfigError, match=r"t2 must divide the attention heads \(3\).*fix: t in \{1\}"):
         check_tp(args, 2)
-
-
-def _config(family: str) -> Any:
-    from transformers import AutoConfig
-
-    fields = copy.deepcopy(FAMILY_CONFIGS[family])
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)

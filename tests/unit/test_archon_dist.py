@@ -12,32 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_archon import FAMILY_CONFIGS, hf_logprobs, save_tiny
-from test_engine_dist import make_batch, spawn_ranks
+from helpers import losses_after_resume, make_batch
+from helpers.archon import hf_config, hf_logprobs, hf_reference, spawn_cases
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
-
-
-def _reference(model_dir: str, role: str, batch: Any, loss: Any) -> tuple[float, torch.Tensor]:
-    """Each sequence alone through the Hugging Face model: the loss and the gradient norm."""
-    from treetrain.engines.base import MicroBatchOutput
-    from treetrain.engines.fsdp import build_model
-
-    model = build_model(model_dir, role)
-    total = batch.num_loss_tokens()
-    value = 0.0
-    for i, seq in enumerate(batch.sequences):
-        ids = torch.tensor(seq)[None]
-        if role == "critic":
-            out = MicroBatchOutput(values=model(input_ids=ids, position_ids=torch.arange(len(seq))[None])[0, :-1])
-        else:
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            out = MicroBatchOutput(logprobs=torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]])
-        mb_loss, _ = loss(out, batch.loss_mask[i], {k: v[i] for k, v in batch.tensors.items()})
-        (mb_loss / total).backward()
-        value += float(mb_loss.detach()) / total
-    grads = [p.grad.double().norm() for p in model.parameters() if p.grad is not None]
-    return value, torch.linalg.vector_norm(torch.stack(grads)).float()
 
 
 def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
@@ -50,7 +28,7 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     batch = make_batch(vocab=128)
     tree = TreeTrainingSettings(**TREE)
     engine = build_engine(ModelSettings(path=model_dir), backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
-    ref_loss, ref_norm = _reference(model_dir, "actor", batch, loss)
+    ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
     norms = {}
     for use_tree in (True, False):
         stats = engine.forward_backward(batch, loss, tree=use_tree)
@@ -91,15 +69,7 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
         assert abs(a.loss - f.loss) <= 1e-6, (a.loss, f.loss)
         assert engine.step() == pytest.approx(fsdp.step(), rel=1e-4)
         # Exact resume: DCP restores model and optimizer; the next step repeats bit for bit.
-        ckpt = tmp / "ckpt-d2"
-        engine.save(ckpt, {"step": 1})
-        after = []
-        for _ in range(2):
-            engine.forward_backward(batch, loss)
-            engine.step()
-            after.append(engine.forward_backward(batch, loss).loss)
-            engine.zero_grad()
-            assert engine.load(ckpt) == {"step": 1}
+        after = losses_after_resume(engine, batch, loss, tmp / "ckpt-d2")
         assert after[0] == after[1], after
 
 
@@ -141,36 +111,50 @@ def _check_critic(model_dir: str, backend: str) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _checks(tmp: str, cases: list[tuple[str, str, str]]) -> None:
-    for family, backend, role in cases:
-        model_dir = str(Path(tmp) / family)
-        if role == "critic":
-            _check_critic(model_dir, backend)
-        else:
-            _check_actor(model_dir, backend, Path(tmp))
-
-
-def _spawn(tmp: Path, cases: list[tuple[str, str, str]]) -> None:
-    for family in {c[0] for c in cases}:
-        save_tiny(family, tmp / family)
-    spawn_ranks(_checks, 2, str(tmp), cases)
+# t2 on qwen2 (q/k/v biases) and qwen3 (per-head q/k norms, tied embeddings: both once
+# drifted apart over the tensor ranks, which a resume exposed).
+TP_CASES = [("qwen3", "archon:d2", "actor"), ("qwen2", "archon:t2", "actor"), ("qwen3", "archon:t2", "actor")]
+# qwen3: 4 heads, 2 kv heads (Ulysses); llama3: 3 heads (c2 does not divide: gathered K/V).
+CP_CASES = [("qwen3", "archon:c2", "actor"), ("llama3", "archon:c2", "actor"), ("qwen3", "archon:c2", "critic")]
 
 
 @pytest.mark.slow
 def test_data_and_tensor_parallel(tmp_path: Path) -> None:
-    # t2 on qwen2 (q/k/v biases) and qwen3 (per-head q/k norms, tied embeddings: both once
-    # drifted apart over the tensor ranks, which a resume exposed).
-    cases = [("qwen3", "archon:d2", "actor"), ("qwen2", "archon:t2", "actor"), ("qwen3", "archon:t2", "actor")]
-    _spawn(tmp_path, [*cases, ("llama", "archon:d2", "critic")])
+    spawn_cases(tmp_path, [*TP_CASES, ("llama", "archon:d2", "critic")], _check_actor, _check_critic)
 
 
 @pytest.mark.slow
 def test_context_parallel(tmp_path: Path) -> None:
-    # qwen3: 4 heads, 2 kv heads (Ulysses); llama3: 3 heads (c2 does not divide: gathered K/V).
-    _spawn(
-        tmp_path, [("qwen3", "archon:c2", "actor"), ("llama3", "archon:c2", "actor"), ("qwen3", "archon:c2", "critic")]
-    )
+    spawn_cases(tmp_path, CP_CASES, _check_actor, _check_critic)
 
 
-def test_family_configs_cover_the_cases() -> None:
-    assert FAMILY_CONFIGS["llama3"]["num_attention_heads"] % 2 == 1
+def _archon_model(family: str) -> Any:
+    """The Archon model the engine builds from ``family``'s tiny config (random weights)."""
+    from treetrain.engines.archon.model import ModelArgs, Transformer
+
+    return Transformer(ModelArgs.from_hf(hf_config(family)))
+
+
+def test_the_cases_exercise_what_they_claim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slow tests above are only as good as their cases: on the models the engine builds
+    from FAMILY_CONFIGS, the t2 cases hold q/k/v biases, per-head q/k norms and tied
+    embeddings, and context parallel on the c2 cases swaps in both of its attention paths
+    (Ulysses and gathered K/V)."""
+    import torch.distributed as dist
+
+    from treetrain.engines.archon.parallelize import GatheredKVAttention, UlyssesAttention, apply_cp
+
+    tp = [_archon_model(family) for family, backend, _ in TP_CASES if backend == "archon:t2"]
+    attentions = [block.attention for model in tp for block in model.layers.values()]
+    assert any(a.wq.bias is not None and a.wk.bias is not None and a.wv.bias is not None for a in attentions)
+    assert any(a.q_norm is not None and a.k_norm is not None for a in attentions)
+    assert any(model.args.tie_embeddings for model in tp)
+    # Gathered K/V asks for its rank at construction; no process group is needed to pick the path.
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    cores: dict[str, set[type]] = {}
+    for family, _, role in CP_CASES:
+        if role == "actor":
+            model = _archon_model(family)
+            apply_cp(model, group=None, size=2)  # type: ignore[arg-type]
+            cores[family] = {type(block.attention.core) for block in model.layers.values()}
+    assert cores == {"qwen3": {UlyssesAttention}, "llama3": {GatheredKVAttention}}, cores

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_archon import hf_logprobs, save_tiny
-from test_archon_dist import _reference
-from test_engine_dist import make_batch, spawn_ranks
+from helpers import make_batch, spawn_ranks
+from helpers.archon import hf_logprobs, hf_reference, save_tiny
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
@@ -31,7 +30,7 @@ def _check(model_dir: str, backend: str, tmp: Path, *, round_trip: bool) -> None
     engine = build_engine(ModelSettings(path=model_dir), backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
     experts = engine.model.get_parameter("layers.0.moe.experts.w1")
     assert experts.to_local().shape[0] * engine.layout.ep == 4  # each rank holds E / ep experts
-    ref_loss, ref_norm = _reference(model_dir, "actor", batch, loss)
+    ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
     for use_tree in (True, False):
         stats = engine.forward_backward(batch, loss, tree=use_tree)
         assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (backend, use_tree, stats.loss, ref_loss)
@@ -98,8 +97,8 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
     """``treetrain train`` under torchrun (2 CPU ranks, gloo) with ``archon:(attn:d2|ffn:e2)``:
     2 tree-packed GRPO steps on a tiny Qwen3-MoE, local rollout sampled from the gathered experts."""
 
-    from test_archon import FAMILY_CONFIGS
-    from test_train import _merge, small, step_lines, torchrun
+    from helpers import merge, small, step_lines, torchrun
+    from helpers.archon import FAMILY_CONFIGS
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {**FAMILY_CONFIGS["qwen3_moe"], "vocab_size": 512}  # the parity task's token ids
@@ -108,7 +107,7 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
         tmp_path / "moe"
     )
     backend = "archon:(attn:d2|ffn:e2)"
-    raw = _merge(small(), {"model": {"path": str(tmp_path / "moe")}, "actor": {"backend": backend}})
+    raw = merge(small(), {"model": {"path": str(tmp_path / "moe")}, "actor": {"backend": backend}})
     raw["trainer"]["steps"] = 2
     done = torchrun(raw, tmp_path / "c.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -117,7 +116,7 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
 
 
 def test_expert_strings_pass_validation_and_bad_sizes_are_refused() -> None:
-    from test_archon import _config
+    from helpers.archon import hf_config
 
     from treetrain.alloc import parse
     from treetrain.config.backends import check_training_backend
@@ -128,11 +127,11 @@ def test_expert_strings_pass_validation_and_bad_sizes_are_refused() -> None:
     for backend in ("archon:d2e2", "archon:(attn:d2|ffn:e2)", "archon:(attn:d4|ffn:e2t2)"):
         dims = check_training_backend(backend).dims
         assert dims.ep * dims.etp > 1
-    moe = ModelArgs.from_hf(_config("qwen3_moe"))  # 4 experts, expert FFN width 32
+    moe = ModelArgs.from_hf(hf_config("qwen3_moe"))  # 4 experts, expert FFN width 32
     check_ep(moe, parse("archon:d4e4").dims)
     with pytest.raises(EngineConfigError, match=r"e3 must divide the experts \(4\); fix: e in \{1, 2, 4\}"):
         check_ep(moe, parse("archon:d3e3").dims)
     with pytest.raises(EngineConfigError, match=r"ffn t3 must divide the expert FFN width \(32\); fix: ffn t in"):
         check_ep(moe, parse("archon:(attn:d3|ffn:t3)").dims)
     with pytest.raises(EngineConfigError, match=r"this qwen3 model has none; fix: .* e\.g\. archon:d2c2$"):
-        check_ep(ModelArgs.from_hf(_config("qwen3")), parse("archon:d2c2e4").dims)
+        check_ep(ModelArgs.from_hf(hf_config("qwen3")), parse("archon:d2c2e4").dims)

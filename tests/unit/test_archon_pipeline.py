@@ -14,9 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_archon import FAMILY_CONFIGS, SEQS, hf_logprobs, save_tiny
-from test_archon_dist import _reference
-from test_engine_dist import make_batch, spawn_ranks
+from helpers import make_batch
+from helpers.archon import SEQS, hf_config, hf_logprobs, hf_reference, spawn_cases
 
 from treetrain.engines.archon.model import ModelArgs
 from treetrain.engines.archon.pipeline import head_cost, layer_costs, pad_tree, split_layers, stage_layers
@@ -173,7 +172,7 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     sizes = []
     for batch in _batches():
         sizes.append(sorted({t.padded_len for t in engine.pack(batch.sequences).trees}))
-        ref_loss, ref_norm = _reference(model_dir, "actor", batch, loss)
+        ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
         for use_tree in (True, False):
             stats = engine.forward_backward(batch, loss, tree=use_tree)
             assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (use_tree, stats.loss, ref_loss)
@@ -239,7 +238,7 @@ def _check_critic(model_dir: str, backend: str) -> None:
         optimizer=OptimizerSettings(),
     )
     for batch in _batches():
-        ref_loss, ref_norm = _reference(model_dir, "critic", batch, loss)
+        ref_loss, ref_norm = hf_reference(model_dir, "critic", batch, loss)
         for use_tree in (True, False):
             stats = critic.forward_backward(batch, loss, tree=use_tree)
             assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (use_tree, stats.loss, ref_loss)
@@ -251,20 +250,9 @@ def _check_critic(model_dir: str, backend: str) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def _checks(tmp: str, cases: list[tuple[str, str, str]]) -> None:
-    for family, backend, role in cases:
-        model_dir = str(Path(tmp) / family)
-        if role == "critic":
-            _check_critic(model_dir, backend)
-        else:
-            _check_actor(model_dir, backend, Path(tmp))
-
-
 @pytest.mark.slow
 def test_pipeline_two_stages(tmp_path: Path) -> None:
     # qwen3 ties its embeddings (the gradient is summed over the first and last stage).
     cases = [("qwen3", "archon:p2", "actor"), ("llama", "archon:p2", "critic")]
-    for family in {c[0] for c in cases}:
-        save_tiny(family, tmp_path / family)
-    spawn_ranks(_checks, 2, str(tmp_path), cases)
-    assert FAMILY_CONFIGS["qwen3"]["tie_word_embeddings"]
+    spawn_cases(tmp_path, cases, _check_actor, _check_critic)
+    assert ModelArgs.from_hf(hf_config("qwen3")).tie_embeddings

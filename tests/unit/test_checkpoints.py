@@ -10,22 +10,18 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_train import _merge, small
+from helpers import merge, small
 
 from treetrain import config as C
 from treetrain.cli import main
 from treetrain.trainer.loop import Trainer
 
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def _train(ckpt: Path, steps: int, lines: list[str] | None = None, **sections: Any) -> Any:
     """Train ``steps`` steps of the small config (``sections`` merged in), checkpointing every step."""
-    raw = _merge(small(ckpt), sections)
+    raw = merge(small(ckpt), sections)
     raw["checkpoint"]["intervalSteps"] = 1
     log = lines.append if lines is not None else (lambda _: None)
     trainer = Trainer(C.validate(raw, overrides={"trainer.steps": steps}), log=log)
@@ -80,7 +76,7 @@ def test_no_readable_checkpoint_is_one_line_and_starts_nothing(
     _train(ckpt, steps=1)
     (ckpt / "step-00000001" / "actor.pt").write_bytes(b"")
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_merge(small(ckpt), {"trainer": {"steps": 2}})))
+    path.write_text(yaml.safe_dump(merge(small(ckpt), {"trainer": {"steps": 2}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "no readable checkpoint in" in err and "Traceback" not in err

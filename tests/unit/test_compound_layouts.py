@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import spawn_ranks
 from megatron_models import COMMON, FAMILIES, branching_sequences, make_batch, per_expert, reference
-from test_engine_dist import spawn_ranks
 
 WORLD = 4
 # 64-token trees over 16-token blocks: several micro-batches on every data rank.

@@ -22,12 +22,7 @@ SEQS = [[1, 9, 12, 30, 31, 32], [1, 9, 12, 40, 41], [1, 9, 50, 51, 52, 53, 54]]
 TREE = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The engine reads no environment: these must change nothing.
-    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "5")
-    monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("engine_env")
 
 
 def _engine(path: str, role: str = "actor", optimizer: OptimizerSettings | None = None) -> FSDPEngine:

@@ -8,55 +8,18 @@ processes check d2t2 (FSDP over a data x tensor parallel grid)."""
 
 from __future__ import annotations
 
-import faulthandler
 import os
-import random
-import socket
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import TINY_LLAMA, losses_after_resume, make_batch, spawn_ranks
 
 WORLD = 2
-MODEL = {"path": "builtin:tiny-llama", "seed": 3}
+MODEL = TINY_LLAMA
 # 64-token trees over 16-token blocks: several uneven micro-batches per rank.
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def make_batch(seed: int = 0, vocab: int = 500) -> Any:
-    """Agent-shaped sequences: a shared system prompt, branching turns, uneven lengths."""
-    from treetrain.engines.base import TrainBatch
-
-    rng = random.Random(seed)
-    system = [rng.randrange(8, vocab) for _ in range(20)]
-    seqs = []
-    for _ in range(3):
-        history = system + [rng.randrange(8, vocab) for _ in range(rng.randint(3, 9))]
-        for _ in range(3):
-            history = history + [rng.randrange(8, vocab) for _ in range(rng.randint(2, 7))]
-            seqs.append(list(history))
-    seqs.append([rng.randrange(8, vocab) for _ in range(11)])  # shares nothing
-    g = torch.Generator().manual_seed(seed)
-    masks, adv, old, rets = [], [], [], []
-    for s in seqs:
-        n = len(s) - 1
-        m = torch.zeros(n)
-        m[rng.randint(0, n - 1) :] = 1.0
-        masks.append(m)
-        adv.append(torch.full((n,), float(torch.randn((), generator=g))))
-        old.append(-6.2 + 0.1 * torch.randn(n, generator=g))
-        rets.append(torch.rand(n, generator=g))
-    tensors = {"advantages": adv, "old_logprobs": old, "returns": rets}
-    return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
 
 
 def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.Tensor]]:
@@ -179,15 +142,7 @@ def _check(backend: str, role: str, tmp: Path) -> None:
             assert critic.layout is not engine.layout and critic.layout.tp == 2
             assert [len(v) for v in critic.forward(batch.sequences)] == [len(s) - 1 for s in batch.sequences]
         # A sharded checkpoint (DCP) restores model and optimizer exactly: the next step matches.
-        ckpt = tmp / f"ckpt-{backend.replace(':', '-')}"
-        engine.save(ckpt, {"step": 1})
-        after = []
-        for _ in range(2):
-            engine.forward_backward(batch, loss)
-            engine.step()
-            after.append(engine.forward_backward(batch, loss).loss)
-            engine.zero_grad()
-            assert engine.load(ckpt) == {"step": 1}
+        after = losses_after_resume(engine, batch, loss, tmp / f"ckpt-{backend.replace(':', '-')}")
         assert after[0] == after[1], after
 
 
@@ -247,45 +202,6 @@ def _fsdp_checks(world: int, tmp: str) -> None:
         for backend, role in (("fsdp:d2", "actor"), ("fsdp:d2", "critic"), ("fsdp:t2", "actor")):
             _check(backend, role, Path(tmp))
         _check_bfloat16()
-
-
-def _rank_main(rank: int, world: int, port: int, check: Any, args: tuple[Any, ...], errors: Any) -> None:
-    faulthandler.enable()  # a rank that aborts in C++ (gloo) still shows where it was
-    os.environ.update(
-        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    torch.set_num_threads(1)
-    ok = False
-    try:
-        check(*args)
-        ok = True
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if ok:
-            os._exit(0)  # torch 2.15's gloo sometimes aborts in teardown after a clean run
-
-
-def spawn_ranks(check: Any, world: int, *args: Any) -> None:
-    """Run ``check(*args)`` on every rank of ``world`` spawned processes (as torchrun would:
-    ``RANK``, ``WORLD_SIZE`` and a loopback rendezvous in the environment, one torch thread);
-    ``check`` is a module-level function. A failed rank fails the test with every rank's
-    traceback."""
-    errors = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.start_processes(
-            _rank_main, args=(world, _free_port(), check, args, errors), nprocs=world, start_method="spawn"
-        )
-    except Exception:
-        found = []
-        while not errors.empty():
-            found.append(errors.get())
-        pytest.fail("\n".join(found) or "a rank failed")
 
 
 def _spawn(world: int, tmp: Path) -> None:

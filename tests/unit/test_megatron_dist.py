@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import losses_after_resume, spawn_ranks
 from megatron_models import branching_sequences, critic_reference, make_batch, per_expert, reference, save_model
-from test_engine_dist import spawn_ranks
 
 # 64-token trees over 16-token blocks: several uneven micro-batches per rank.
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
@@ -89,15 +89,7 @@ def _check(family: str, backend: str, recompute: bool, root: Path) -> None:
     # A checkpoint restores model and optimizer: the next step repeats exactly.
     engine.forward_backward(batch, loss)
     engine.step()
-    ckpt = root / f"ckpt-{tag}"
-    engine.save(ckpt, {"step": 1})
-    after = []
-    for _ in range(2):
-        engine.forward_backward(batch, loss)
-        engine.step()
-        after.append(engine.forward_backward(batch, loss).loss)
-        engine.zero_grad()
-        assert engine.load(ckpt) == {"step": 1}
+    after = losses_after_resume(engine, batch, loss, root / f"ckpt-{tag}")
     assert after[0] == after[1], (where, after)
 
 

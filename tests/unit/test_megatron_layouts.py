@@ -19,9 +19,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from helpers import merge, small, spawn_ranks, step_lines, torchrun
 from megatron_models import branching_sequences, make_batch, reference, save_model
-from test_engine_dist import spawn_ranks
-from test_train import _merge, small, step_lines, torchrun
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
@@ -82,7 +81,7 @@ def test_d2c2_four_ranks_match_each_sequence_alone(tmp_path: Path) -> None:
 def test_torchrun_megatron_moe_trains_on_cpu(tmp_path: Path) -> None:
     path = save_model("qwen3_moe", tmp_path)
     backend = "megatron:(attn:d2|ffn:e2)"
-    raw = _merge(small(), {"model": {"path": str(path)}, "actor": {"backend": backend}, "trainer": {"steps": 2}})
+    raw = merge(small(), {"model": {"path": str(path)}, "actor": {"backend": backend}, "trainer": {"steps": 2}})
     done = torchrun(raw, tmp_path / "c.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
     assert step_lines(done) == ["step 1/2", "step 2/2"], done.stdout[-2000:]

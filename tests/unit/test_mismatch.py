@@ -4,17 +4,13 @@ and the trainer's recomputed ones, exported and logged."""
 from __future__ import annotations
 
 import pytest
-from test_train import small
+from helpers import small
 
 from treetrain import config as C
 from treetrain.metrics import StepFigures, TrainerMetrics
 from treetrain.trainer.loop import Trainer, format_record
 
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def test_local_rollout_and_the_trainer_agree_on_every_token() -> None:

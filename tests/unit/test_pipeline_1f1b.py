@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import spawn_ranks
 from megatron_models import branching_sequences, make_batch, save_model
-from test_engine_dist import spawn_ranks
 
 from treetrain.engines.megatron.schedule import Action, Schedule, order
 

@@ -163,7 +163,8 @@ def test_bad_config_is_refused(bad: dict[str, float]) -> None:
 def test_uneven_micro_batches_give_the_global_mean(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine divides every micro-batch by one count fixed before the loop: many small
     uneven trees, one big tree and flat packing all give the same loss and gradients."""
-    from test_engine_dist import MODEL, make_batch
+    from helpers import TINY_LLAMA as MODEL
+    from helpers import make_batch
 
     from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine

@@ -1,26 +1,19 @@
 """SGLang and vLLM rollout clients against local HTTP stand-ins.
 
-The stand-ins below are NOT SGLang or vLLM: they are small fakes on 127.0.0.1 that answer
-with the request/response shapes those servers document (SGLang ``/generate`` with
-``input_ids`` and ``meta_info.output_token_logprobs``; vLLM ``/v1/completions`` with
-``token_ids`` and ``logprobs.token_logprobs``) and record every call, so the tests can
-assert the weight-sync sequence. Nothing here dials anything but loopback.
+The stand-ins (helpers/rollout.py) are NOT SGLang or vLLM: small fakes on 127.0.0.1 that
+answer with the shapes those servers document and record every call, so the tests can assert
+the weight-sync sequence. Nothing here dials anything but loopback.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Iterator
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from json_http import JSONHandler
+from helpers.rollout import PARAMS, FakeServer, fake_tokens
 
 from treetrain.rl.rollout import (
     MixedRollout,
@@ -31,131 +24,6 @@ from treetrain.rl.rollout import (
     detect_kind,
     remote_client,
 )
-
-
-def _tokens(prompt: list[int], n: int) -> list[int]:
-    return [8 + (len(prompt) + i) % 400 for i in range(n)]
-
-
-class FakeServer:
-    """A stand-in rollout server of one ``kind`` (sglang or vllm) on 127.0.0.1."""
-
-    def __init__(self, kind: str, *, fail_first: int = 0, pause_routes: bool = True, extension: bool = True) -> None:
-        self.kind = kind
-        self.pause_routes = pause_routes
-        self.extension = extension  # vLLM: started with our worker extension
-        self.calls: list[tuple[str, str, Any]] = []
-        self.fail_first = fail_first
-        self.weight_version: Any = "default" if kind == "sglang" else None  # what a fresh server reports
-        # abort_after=n: the next generation samples n tokens, then (wait_for_pause) waits for a
-        # pause and answers finish_reason "abort" with them, as the real servers' mode "abort" does.
-        self.abort_after: int | None = None
-        self.wait_for_pause = True
-        self.generating = threading.Event()  # a generation to be aborted has its tokens
-        self.paused = threading.Event()
-        fake = self
-
-        class Handler(JSONHandler):
-            def do_GET(self) -> None:
-                fake.calls.append(("GET", self.path, None))
-                status, body = fake.get(self.path)
-                self._reply(status, body)
-
-            def do_POST(self) -> None:
-                body = self._body()
-                fake.calls.append(("POST", self.path, body))
-                status, out = fake.post(self.path, body)
-                self._reply(status, out)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
-
-    def paths(self, method: str = "POST") -> list[str]:
-        return [p for m, p, _ in self.calls if m == method]
-
-    def get(self, path: str) -> tuple[int, Any]:
-        if path == "/health":
-            return 200, {}
-        if self.kind == "sglang" and path == "/model_info":
-            return 200, {"model_path": "/models/x", "weight_version": self.weight_version}
-        if path == "/v1/models":  # both serve it (SGLang has OpenAI routes too)
-            return 200, {"data": [{"id": "m"}]}
-        return 404, {"detail": "Not Found"}
-
-    def post(self, path: str, body: Any) -> tuple[int, Any]:
-        if not self.pause_routes and path.startswith(("/pause", "/resume", "/continue_generation")):
-            return 404, {"detail": "Not Found"}
-        if self.fail_first > 0 and path in ("/generate", "/v1/completions"):
-            self.fail_first -= 1
-            return 503, {"error": "warming up"}
-        if path.startswith(("/pause_generation", "/pause?")):
-            self.paused.set()
-        reason = "length"
-        if path in ("/generate", "/v1/completions") and self.abort_after is not None:
-            cut, self.abort_after = self.abort_after, None
-            self.generating.set()
-            if self.wait_for_pause:
-                assert self.paused.wait(30), "no pause came"
-            reason = "abort"
-        if self.kind == "sglang":
-            if path == "/generate":
-                if not isinstance(body.get("input_ids"), list):
-                    return 400, {"error": "input_ids required"}
-                n = body["sampling_params"]["max_new_tokens"] if reason != "abort" else cut
-                toks = _tokens(body["input_ids"], n)
-                return 200, {
-                    "text": "",
-                    "output_ids": toks,
-                    "meta_info": {
-                        "id": "r",
-                        "finish_reason": {"type": reason, "length": n},
-                        "prompt_tokens": len(body["input_ids"]),
-                        "completion_tokens": n,
-                        "output_token_logprobs": [[-0.5, t, None] for t in toks],
-                    },
-                }
-            if path in ("/pause_generation", "/continue_generation", "/flush_cache"):
-                return 200, {}
-            if path == "/update_weights_from_disk":
-                ok = Path(body["model_path"]).is_dir()
-                if ok:
-                    self.weight_version = body["weight_version"]
-                return (200 if ok else 400), {"success": ok, "message": "", "num_paused_requests": 0}
-        if self.kind == "vllm":
-            if path == "/v1/completions":
-                n = body["max_tokens"] if reason != "abort" else cut
-                toks = _tokens(body["prompt"], n)
-                logprobs = {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.25] * n}
-                return 200, {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": "",
-                            "token_ids": toks,
-                            "finish_reason": reason,
-                            "logprobs": logprobs if n else None,  # vLLM sends none for an abort before any token
-                        }
-                    ]
-                }
-            if path.startswith(("/pause", "/resume", "/reset_prefix_cache")):
-                return 200, {}
-            if path == "/collective_rpc":
-                if body["method"] != "reload_weights" and not self.extension:  # as vLLM answers it
-                    return 500, {"error": f"AttributeError: no attribute {body['method']!r}"}
-                if body["method"] == "load_weights_from_disk":
-                    self.weight_version = body["kwargs"]["version"]
-                if body["method"] == "loaded_weight_version":
-                    v = self.weight_version  # vLLM's route answers results as strings, None as null
-                    return 200, {"results": [None if v is None else str(v)]}
-                return 200, {"results": [None]}
-        return 404, {"detail": "Not Found"}
 
 
 @pytest.fixture
@@ -172,14 +40,11 @@ def vllm() -> Iterator[FakeServer]:
     server.close()
 
 
-PARAMS = SamplingParams(max_new_tokens=3, temperature=0.7, top_p=0.9, stop_token_ids=(2,))
-
-
 def test_sglang_generate_sends_token_ids_and_reads_logprobs(sglang: FakeServer) -> None:
     client = SGLangRollout(endpoints=[sglang.url + "/"])
     client.wait_ready(5)
     gens = client.generate([[1, 2, 3], [4, 5]], PARAMS, seed=7)
-    assert [g.tokens for g in gens] == [_tokens([1, 2, 3], 3), _tokens([4, 5], 3)]
+    assert [g.tokens for g in gens] == [fake_tokens([1, 2, 3], 3), fake_tokens([4, 5], 3)]
     assert gens[0].logprobs == [-0.5] * 3 and gens[0].finish_reason == "length"
     bodies = sorted((b for m, p, b in sglang.calls if p == "/generate"), key=lambda b: len(b["input_ids"]))
     assert bodies[1]["input_ids"] == [1, 2, 3]
@@ -191,7 +56,7 @@ def test_sglang_generate_sends_token_ids_and_reads_logprobs(sglang: FakeServer) 
 def test_vllm_generate_uses_completions_with_token_ids(vllm: FakeServer) -> None:
     client = VLLMRollout(endpoints=[vllm.url], model="m")
     (gen,) = client.generate([[9, 9, 9, 9]], PARAMS, seed=1)
-    assert gen.tokens == _tokens([9, 9, 9, 9], 3) and gen.logprobs == [-0.25] * 3
+    assert gen.tokens == fake_tokens([9, 9, 9, 9], 3) and gen.logprobs == [-0.25] * 3
     (body,) = [b for m, p, b in vllm.calls if p == "/v1/completions"]
     assert body["prompt"] == [9, 9, 9, 9] and body["max_tokens"] == 3 and body["model"] == "m"
     assert body["logprobs"] == 0 and body["return_token_ids"] is True
@@ -212,7 +77,7 @@ def test_server_errors_are_retried_then_reported() -> None:
     flaky = FakeServer("sglang", fail_first=2)
     try:
         client = SGLangRollout(endpoints=[flaky.url], retries=2, retry_backoff_s=0.01)
-        assert client.generate([[1, 2]], PARAMS, seed=0)[0].tokens == _tokens([1, 2], 3)
+        assert client.generate([[1, 2]], PARAMS, seed=0)[0].tokens == fake_tokens([1, 2], 3)
         assert flaky.paths().count("/generate") == 3
         flaky.fail_first = 5
         with pytest.raises(RolloutError, match="HTTP 503"):
@@ -342,7 +207,7 @@ def test_mixed_servers_each_get_their_own_dialect(sglang: FakeServer, vllm: Fake
     prompts = [[1], [2, 2], [3, 3, 3], [4, 4, 4, 4]]
     gens = client.generate(prompts, PARAMS, seed=10)
     # In prompt order: even prompts came from SGLang (log-prob -0.5), odd ones from vLLM (-0.25).
-    assert [g.tokens for g in gens] == [_tokens(p, 3) for p in prompts]
+    assert [g.tokens for g in gens] == [fake_tokens(p, 3) for p in prompts]
     assert [g.logprobs[0] for g in gens] == [-0.5, -0.25, -0.5, -0.25]
     assert sglang.paths() == ["/generate"] * 2 and vllm.paths() == ["/v1/completions"] * 2
     sg = sorted((b["input_ids"], b["sampling_params"]["sampling_seed"]) for m, p, b in sglang.calls)
@@ -414,7 +279,7 @@ def test_remote_client_rejects_bad_server_lists(sglang: FakeServer) -> None:
 def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_path: Path, monkeypatch: Any) -> None:
     """The whole loop against the stand-in: rollouts over HTTP, HF weights exported to the
     checkpoint dir, then pause -> update_weights_from_disk -> continue, once per step."""
-    from test_train import small
+    from helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer
@@ -443,7 +308,7 @@ def test_trainer_speaks_to_each_engines_servers_in_their_own_api(
 ) -> None:
     """An RLJob with an SGLang and a vLLM engine: the config the operator writes names each
     server's kind, and one training step samples from both and syncs both, each in its API."""
-    from test_train import small
+    from helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer
@@ -499,7 +364,7 @@ def _sent_prompts(server: FakeServer) -> list[tuple[list[int], int]]:
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
-def test_a_weight_update_interrupts_a_generation_which_resumes_with_its_tokens(kind: str, tmp_path: Path) -> None:
+def test_a_weight_update_interrupts_a_generation_which_resumes_with_itsfake_tokens(kind: str, tmp_path: Path) -> None:
     """The update pauses the server (mode abort) while a request is generating: the reply comes
     back with 2 tokens and finish_reason "abort"; the client waits for the gate to open on version
     1, sends the prompt plus those 2 tokens for the 3 tokens left, and the Generation carries both
@@ -515,8 +380,8 @@ def test_a_weight_update_interrupts_a_generation_which_resumes_with_its_tokens(k
             client.update_weights(str(weights_dir(tmp_path)), 1)
         t.join(30)
         (gen,) = out[0]
-        first = _tokens([1, 2, 3], 2)
-        assert gen.tokens == first + _tokens([1, 2, 3, *first], 3)
+        first = fake_tokens([1, 2, 3], 2)
+        assert gen.tokens == first + fake_tokens([1, 2, 3, *first], 3)
         assert gen.versions == [0, 0, 1, 1, 1] and len(gen.logprobs) == 5 and gen.finish_reason == "length"
         assert _sent_prompts(server) == [([1, 2, 3], 5), ([1, 2, 3, *first], 3)]
         assert client.resubmitted == 1
@@ -542,7 +407,7 @@ def test_an_abort_before_any_token_resubmits_the_whole_prompt(tmp_path: Path) ->
             client.update_weights(str(weights_dir(tmp_path)), 7)
         t.join(30)
         (gen,) = out[0]
-        assert gen.tokens == _tokens([4, 4], 3) and gen.versions == [7, 7, 7]
+        assert gen.tokens == fake_tokens([4, 4], 3) and gen.versions == [7, 7, 7]
         assert _sent_prompts(server) == [([4, 4], 3), ([4, 4], 3)]
     finally:
         server.close()
@@ -563,10 +428,10 @@ def test_a_dying_server_moves_its_request_to_another_with_the_tokens_so_far() ->
         for c in client.clients:  # type: ignore[attr-defined]
             c.retry_backoff_s = 0.01
         gens = client.generate([[1], [2], [3]], PARAMS, seed=0)
-        head = _tokens([1], 1)
-        assert gens[0].tokens == head + _tokens([1, *head], 2)  # 1 token on the dying server, 2 on the next
+        head = fake_tokens([1], 1)
+        assert gens[0].tokens == head + fake_tokens([1, *head], 2)  # 1 token on the dying server, 2 on the next
         assert gens[0].versions == [0, 0, 0]
-        assert gens[1].tokens == _tokens([2], 3) and gens[2].tokens == _tokens([3], 3)
+        assert gens[1].tokens == fake_tokens([2], 3) and gens[2].tokens == fake_tokens([3], 3)
         assert sorted(_sent_prompts(live)) == [([1, *head], 2), ([2], 3), ([3], 3)]
         assert client.resubmitted == 3  # prompt 0 twice (dying, then dead), prompt 1 once (dead)
     finally:
@@ -604,7 +469,7 @@ def test_many_threads_generate_at_once_and_the_round_robin_stays_even() -> None:
             t.join(60)
         assert sorted(results) == list(range(8))
         for k, gens in results.items():
-            assert [g.tokens for g in gens] == [_tokens([k, i], 3) for i in range(4)]
+            assert [g.tokens for g in gens] == [fake_tokens([k, i], 3) for i in range(4)]
             assert all(g.versions == [0, 0, 0] for g in gens)
         assert [len(s.paths()) for s in servers] == [16, 16]  # every call took its block of the cursor
     finally:

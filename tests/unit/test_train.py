@@ -12,44 +12,13 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from helpers import ROOT, merge, small, step_lines, torchrun
 
 from treetrain import config as C
 from treetrain.cli import main
 from treetrain.trainer.loop import Trainer
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
-    """A seconds-long config: tiny model, 2 groups x 2 samples, 2 turns of 4 tokens."""
-    cfg: dict[str, Any] = {
-        "model": {"path": "builtin:tiny-llama", "seed": 1},
-        "actor": {
-            "backend": "fsdp:d1",
-            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
-        },
-        "trainer": {
-            "steps": 3,
-            "task": "builtin:parity",
-            "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
-            "groupsPerStep": 2,
-            "groupSize": 2,
-            "optimizer": {"lr": 1e-2},
-            "metrics": {"enabled": False},
-            "threads": 1,
-            **trainer,
-        },
-    }
-    if tmp is not None:
-        cfg["checkpoint"] = {"dir": str(tmp), "intervalSteps": 2}
-    return cfg
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The CLI reads the environment: none of the overrides may leak in from the caller's.
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -147,7 +116,7 @@ def test_bad_configs_exit_2_with_the_path(
 ) -> None:
     raw = small()
     for section, values in patch.items():
-        raw[section] = _merge(raw.get(section, {}), values)
+        raw[section] = merge(raw.get(section, {}), values)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     for k, v in env.items():
@@ -156,13 +125,6 @@ def test_bad_configs_exit_2_with_the_path(
     err = capsys.readouterr().err
     assert expected in err
     assert "Traceback" not in err
-
-
-def _merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in patch.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,7 +167,7 @@ def test_openmp_threads_wait_passively_unless_told(
 def test_a_layout_that_needs_more_processes_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     threads = torch.get_num_threads()
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_merge(small(), {"actor": {"backend": "fsdp:d2"}})))
+    path.write_text(yaml.safe_dump(merge(small(), {"actor": {"backend": "fsdp:d2"}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "needs 2 processes but 1 were started" in err and "Traceback" not in err
@@ -214,7 +176,7 @@ def test_a_layout_that_needs_more_processes_exits_2(tmp_path: Path, capsys: pyte
 
 def test_a_sequence_longer_than_a_micro_batch_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_merge(small(), {"actor": {"treeTraining": {"maxTokensPerMicrobatch": 32}}})))
+    path.write_text(yaml.safe_dump(merge(small(), {"actor": {"treeTraining": {"maxTokensPerMicrobatch": 32}}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "more than max_tokens_per_mb=32" in err and "Traceback" not in err
@@ -222,7 +184,7 @@ def test_a_sequence_longer_than_a_micro_batch_exits_2(tmp_path: Path, capsys: py
 
 def test_a_model_path_that_does_not_load_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_merge(small(), {"model": {"path": str(tmp_path / "no-model")}})))
+    path.write_text(yaml.safe_dump(merge(small(), {"model": {"path": str(tmp_path / "no-model")}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "cannot load model.path" in err and "Traceback" not in err
@@ -305,7 +267,7 @@ def test_a_checkpoint_of_another_model_is_refused_with_the_fix(
     AutoModelForCausalLM.from_config(LlamaConfig(**fields, num_hidden_layers=3, num_key_value_heads=2)).save_pretrained(
         other
     )
-    path.write_text(yaml.safe_dump(_merge(small(ckpt, steps=3), {"model": {"path": str(other)}})))
+    path.write_text(yaml.safe_dump(merge(small(ckpt, steps=3), {"model": {"path": str(other)}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "was written for model 'builtin:tiny-llama'" in err and "give this run a new checkpoint.dir" in err
@@ -431,35 +393,11 @@ def test_the_embedded_default_is_a_valid_config() -> None:
     assert cfg.trainer.compare_flat and cfg.trainer.metrics.port == 9400
 
 
-def torchrun(
-    config: dict[str, Any], path: Path, *extra: str, restart: int = 0, monitor_s: float | None = None
-) -> subprocess.CompletedProcess[str]:
-    """``treetrain train`` under torchrun with 2 CPU ranks (what a trainer pod runs), ``config``
-    written to ``path``; rendezvous on a free loopback port. ``monitor_s``: torchrun's polling
-    interval (it stops the other ranks on the first poll that finds one rank exited)."""
-    import socket
-
-    path.write_text(yaml.safe_dump(config))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
-    cmd += ["--master-port", str(port)] + (["--monitor-interval", str(monitor_s)] if monitor_s else [])
-    cmd += ["-m", "treetrain.cli", "train", str(path), *extra]
-    env["TREETRAIN_RESTART"] = str(restart)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
-
-
-def step_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
-    return [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
-
-
 @pytest.mark.slow
 def test_torchrun_two_ranks_trains_and_resumes(tmp_path: Path) -> None:
     """What a trainer pod runs: torchrun, 2 CPU ranks (fsdp:d2, gloo), local rollout sampled by the
     sharded model, a sharded checkpoint, then a restarted gang that resumes from it."""
-    raw = _merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 2}})
+    raw = merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 2}})
     path = tmp_path / "c.yaml"
 
     first = torchrun(raw, path)
@@ -481,7 +419,7 @@ def test_torchrun_archon_trains_tree_packed_grpo(tmp_path: Path, backend: str) -
     steps with local rollout sampled by a Hugging Face model that follows the engine's weights
     (the hybrid string runs the dense built-in model: its ffn section sets expert tensor
     parallel, which a dense model ignores; MoE layers are tested in test_megatron_dist.py)."""
-    raw = _merge(small(), {"actor": {"backend": backend}, "trainer": {"steps": 2}})
+    raw = merge(small(), {"actor": {"backend": backend}, "trainer": {"steps": 2}})
     done = torchrun(raw, tmp_path / "c.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
     assert step_lines(done) == ["step 1/2", "step 2/2"], done.stdout[-2000:]

@@ -323,11 +323,10 @@ def test_the_lockstep_mirrors_rank_0s_generate_calls_on_the_other_ranks() -> Non
     """Local rollout of a sharded model: every generate call rank 0's proxy makes (from its own
     thread) runs on every rank, and the other ranks return once rank 0 stops them."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from helpers import free_port
+
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_lockstep_rank, args=(rank, port, out)) for rank in (0, 1)]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_train import small
+from helpers import small
 
 from treetrain import config as C
 from treetrain.trainer.loop import ROLLOUT_STATE, StepRecord, Trainer

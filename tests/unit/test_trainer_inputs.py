@@ -16,16 +16,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from test_train import _merge, small
+from helpers import merge, small
 
-from treetrain import config as C
 from treetrain.cli import main
 
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def _config(tmp_path: Path, cfg: dict[str, Any]) -> Path:
@@ -104,7 +99,7 @@ def test_a_damaged_model_safetensors_is_one_line(
     shutil.copytree(model_dir, model)
     weights = model / "model.safetensors"
     weights.write_bytes(make(weights.read_bytes()))
-    cfg = _merge(small(), {"model": {"path": str(model)}, "actor": {"backend": backend}})
+    cfg = merge(small(), {"model": {"path": str(model)}, "actor": {"backend": backend}})
     _one_line_exit_2(capsys, _config(tmp_path, cfg), f"{weights} is damaged", says, "copy the model directory again")
 
 
@@ -118,7 +113,7 @@ def test_a_damaged_model_is_one_line_in_a_fresh_process(tmp_path: Path, model_di
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
     (model / "model.safetensors").write_bytes(b"")
-    config = _config(tmp_path, _merge(small(), {"model": {"path": str(model)}}))
+    config = _config(tmp_path, merge(small(), {"model": {"path": str(model)}}))
     _subprocess_exit_2(config, f"{model / 'model.safetensors'} is damaged")
 
 
@@ -128,7 +123,7 @@ def test_a_damaged_model_is_one_line_in_a_fresh_process(tmp_path: Path, model_di
 def _checkpointed(tmp_path: Path, steps: int = 1) -> Path:
     """A checkpoint directory holding steps 1..steps (fsdp:d1, one process)."""
     ckpt = tmp_path / "ckpt"
-    raw = _merge(small(ckpt), {"checkpoint": {"intervalSteps": 1}, "trainer": {"steps": steps}})
+    raw = merge(small(ckpt), {"checkpoint": {"intervalSteps": 1}, "trainer": {"steps": steps}})
     assert main(["train", str(_config(tmp_path, raw)), "--no-compare"]) == 0
     return ckpt
 
@@ -170,7 +165,7 @@ def test_checkpoint_metadata_of_another_shape_is_one_line(
     capsys.readouterr()
     meta = ckpt / "step-00000001" / "actor-rank0.pt"
     _edit_meta(meta, edit)
-    config = _config(tmp_path, _merge(small(ckpt), {"trainer": {"steps": 2}}))
+    config = _config(tmp_path, merge(small(ckpt), {"trainer": {"steps": 2}}))
     _one_line_exit_2(capsys, config, str(meta), says, f"move {meta.parent} out of checkpoint.dir")
     assert (ckpt / "latest").read_text().strip() == "step-00000001"  # nothing written over it
 
@@ -181,7 +176,7 @@ def test_a_binary_latest_file_is_one_line_before_the_model_loads(
     ckpt = _checkpointed(tmp_path)
     capsys.readouterr()
     (ckpt / "latest").write_bytes(bytes(range(256)))
-    config = _config(tmp_path, _merge(small(ckpt), {"trainer": {"steps": 2}}))
+    config = _config(tmp_path, merge(small(ckpt), {"trainer": {"steps": 2}}))
     _one_line_exit_2(capsys, config, f"{ckpt / 'latest'} is not a checkpoint name", "delete it")
     _subprocess_exit_2(config, f"{ckpt / 'latest'} is not a checkpoint name")
 
@@ -286,9 +281,9 @@ def test_a_good_user_task_keeps_its_own_attributes(tmp_path: Path, monkeypatch: 
 def test_a_foreign_checkpoint_file_on_one_rank_stops_every_rank_with_one_line(tmp_path: Path) -> None:
     """torchrun, 2 CPU ranks: rank 1's metadata file is a list. Every rank stops with the same
     line (no rank left waiting in a collective for the one that stopped)."""
-    from test_train import torchrun
+    from helpers import torchrun
 
-    raw = _merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 1}})
+    raw = merge(small(tmp_path / "ckpt"), {"actor": {"backend": "fsdp:d2"}, "trainer": {"steps": 1}})
     config = tmp_path / "c.yaml"
     first = torchrun(raw, config)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -8,7 +8,6 @@ broadcast with the same group code as the trainer. The real vLLM server is in te
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import free_port
 
 from treetrain import config as C
 from treetrain.rl import weight_group as wg
@@ -24,13 +24,6 @@ from treetrain.rl.rollout import RolloutError, remote_client
 from treetrain.rl.weight_sync import WeightSender
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class StandIn:
@@ -161,7 +154,7 @@ def test_rank_offsets_follow_each_servers_gpus(standins: list[StandIn]) -> None:
 def test_trainer_syncs_by_broadcast_every_step(standins: list[StandIn], tmp_path: Path, monkeypatch: Any) -> None:
     """The whole loop, distributed sync (the default): no checkpoint.dir, and after each step both
     servers hold exactly the trainer's weights."""
-    from test_train import small
+    from helpers import small
 
     from treetrain.trainer.loop import Trainer
 
@@ -194,7 +187,7 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(
     """The vLLM stand-in restarts between two steps (same port, no weights, no version): before the
     second step samples, the trainer finds it through the version it reports, leaves the broken
     group, joins both servers afresh and sends version 1 again; then step 2 syncs version 2."""
-    from test_train import small
+    from helpers import small
 
     from treetrain.trainer.loop import Trainer
 
@@ -250,7 +243,7 @@ def test_a_failed_weight_update_keeps_the_gate_closed_and_labels_nothing(tmp_pat
     """WeightSync.sync against an SGLang stand-in that cannot load the weights: RolloutError naming
     the server, the gate closed and failed at the old version, so a generation request fails at
     once instead of sampling weights of unknown version; the next sync that succeeds reopens it."""
-    from test_rl_rollout import PARAMS, FakeServer
+    from helpers.rollout import PARAMS, FakeServer
 
     from treetrain.rl.rollout import SGLangRollout
     from treetrain.trainer.checkpoints import Checkpoints

@@ -20,8 +20,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from helpers import spawn_ranks
 from megatron_models import branching_sequences, make_batch, save_model
-from test_engine_dist import spawn_ranks
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 STEPS = 3

@@ -1,0 +1,22 @@
+"""Fixtures every unit test module may use (helpers/ holds the plain functions)."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import TRAINER_ENV
+
+
+@pytest.fixture
+def trainer_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI reads the environment: none of its variables may leak in from the caller's."""
+    for name in TRAINER_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engines read no environment: variables the CLI would read must change nothing, and
+    no ``WORLD_SIZE`` makes a test process look like a torchrun rank."""
+    monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "5")
+    monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)

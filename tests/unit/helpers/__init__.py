@@ -1,0 +1,191 @@
+"""What the unit tests share: free loopback ports, a subprocess environment without the
+trainer's variables, the seconds-long trainer config, agent-shaped batches, and the two ways a
+test runs code on several CPU ranks (spawned processes in the test, or ``treetrain train``
+under torchrun). Test modules import these from here, never from each other."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import socket
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+
+from treetrain import config as C
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# The variables the CLI reads: a test of the trainer must see none of the caller's.
+TRAINER_ENV = ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES)
+
+# The tiny builtin model the engine tests build, with a fixed seed.
+TINY_LLAMA: dict[str, Any] = {"path": "builtin:tiny-llama", "seed": 3}
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) without the trainer's ``TREETRAIN_*`` and
+    ``WORLD_SIZE`` variables, for a child that must not inherit a caller's run."""
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+
+
+# -- trainer configs ---------------------------------------------------------------------
+
+
+def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
+    """A seconds-long config: tiny model, 2 groups x 2 samples, 2 turns of 4 tokens."""
+    cfg: dict[str, Any] = {
+        "model": {"path": "builtin:tiny-llama", "seed": 1},
+        "actor": {
+            "backend": "fsdp:d1",
+            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
+        },
+        "trainer": {
+            "steps": 3,
+            "task": "builtin:parity",
+            "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
+            "groupsPerStep": 2,
+            "groupSize": 2,
+            "optimizer": {"lr": 1e-2},
+            "metrics": {"enabled": False},
+            "threads": 1,
+            **trainer,
+        },
+    }
+    if tmp is not None:
+        cfg["checkpoint"] = {"dir": str(tmp), "intervalSteps": 2}
+    return cfg
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``patch`` merged in, nested mappings key by key (neither is changed)."""
+    out = dict(base)
+    for k, v in patch.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+# -- batches -----------------------------------------------------------------------------
+
+
+def make_batch(seed: int = 0, vocab: int = 500) -> Any:
+    """Agent-shaped sequences: a shared system prompt, branching turns, uneven lengths."""
+    from treetrain.engines.base import TrainBatch
+
+    rng = random.Random(seed)
+    system = [rng.randrange(8, vocab) for _ in range(20)]
+    seqs = []
+    for _ in range(3):
+        history = system + [rng.randrange(8, vocab) for _ in range(rng.randint(3, 9))]
+        for _ in range(3):
+            history = history + [rng.randrange(8, vocab) for _ in range(rng.randint(2, 7))]
+            seqs.append(list(history))
+    seqs.append([rng.randrange(8, vocab) for _ in range(11)])  # shares nothing
+    g = torch.Generator().manual_seed(seed)
+    masks, adv, old, rets = [], [], [], []
+    for s in seqs:
+        n = len(s) - 1
+        m = torch.zeros(n)
+        m[rng.randint(0, n - 1) :] = 1.0
+        masks.append(m)
+        adv.append(torch.full((n,), float(torch.randn((), generator=g))))
+        old.append(-6.2 + 0.1 * torch.randn(n, generator=g))
+        rets.append(torch.rand(n, generator=g))
+    tensors = {"advantages": adv, "old_logprobs": old, "returns": rets}
+    return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
+
+
+def losses_after_resume(engine: Any, batch: Any, loss: Any, ckpt: Path) -> list[float]:
+    """Save ``engine`` to ``ckpt``, then twice: one step, the loss after it, load ``ckpt``
+    again. An exact resume gives the same loss both times."""
+    engine.save(ckpt, {"step": 1})
+    after = []
+    for _ in range(2):
+        engine.forward_backward(batch, loss)
+        engine.step()
+        after.append(engine.forward_backward(batch, loss).loss)
+        engine.zero_grad()
+        assert engine.load(ckpt) == {"step": 1}
+    return after
+
+
+# -- several ranks -----------------------------------------------------------------------
+
+
+def _rank_main(
+    rank: int, world: int, port: int, check: Callable[..., None], args: tuple[Any, ...], errors: Any
+) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ (gloo) still shows where it was
+    os.environ.update(
+        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    ok = False
+    try:
+        check(*args)
+        ok = True
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if ok:
+            os._exit(0)  # torch 2.15's gloo sometimes aborts in teardown after a clean run
+
+
+def spawn_ranks(check: Callable[..., None], world: int, *args: Any) -> None:
+    """Run ``check(*args)`` on every rank of ``world`` spawned processes (as torchrun would:
+    ``RANK``, ``WORLD_SIZE`` and a loopback rendezvous in the environment, one torch thread);
+    ``check`` is a module-level function. A failed rank fails the test with every rank's
+    traceback."""
+    errors = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(
+            _rank_main, args=(world, free_port(), check, args, errors), nprocs=world, start_method="spawn"
+        )
+    except Exception:
+        found = []
+        while not errors.empty():
+            found.append(errors.get())
+        pytest.fail("\n".join(found) or "a rank failed")
+
+
+def torchrun(
+    config: dict[str, Any], path: Path, *extra: str, restart: int = 0, monitor_s: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``treetrain train`` under torchrun with 2 CPU ranks (what a trainer pod runs), ``config``
+    written to ``path``; rendezvous on a free loopback port. ``monitor_s``: torchrun's polling
+    interval (it stops the other ranks on the first poll that finds one rank exited)."""
+    path.write_text(yaml.safe_dump(config))
+    env = subprocess_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+    cmd += ["--master-port", str(free_port())] + (["--monitor-interval", str(monitor_s)] if monitor_s else [])
+    cmd += ["-m", "treetrain.cli", "train", str(path), *extra]
+    env["TREETRAIN_RESTART"] = str(restart)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
+
+
+def step_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
+    """The ``step i/n`` heads of the trainer's step lines in ``done``'s stdout."""
+    return [line.split("|")[0].strip() for line in done.stdout.splitlines() if line.startswith("step ")]
