@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from rljob_operator.network import NetworkSettings
-from rljob_operator.plan import Limits
+from rljob_operator.policy import Limits
 from treetrain import __version__
 
 

@@ -25,7 +25,7 @@ from treetrain.alloc.memory import (
 )
 
 if TYPE_CHECKING:
-    from rljob_operator.plan import Component
+    from rljob_operator.components import Component
     from treetrain.config import TrainConfig
 
 # NVIDIA GPU feature discovery's node label: the memory of one GPU, in MiB.

@@ -30,7 +30,8 @@ from kubernetes.client.exceptions import ApiException
 from rljob_operator.kube import Conflict, Kube, NotOurs, stamped, unchanged
 from rljob_operator.metrics import Metrics
 from rljob_operator.models import GROUP, PLURAL, VERSION
-from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY, Limits
+from rljob_operator.names import LABEL_RLJOB, MANAGED_BY
+from rljob_operator.policy import Limits
 from rljob_operator.reconcile import Decision, Observed, backoff_seconds, controlled_by, decide, owned, set_condition
 
 log = logging.getLogger("rljob_operator")

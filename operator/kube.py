@@ -18,8 +18,8 @@ from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
+from rljob_operator.names import LABEL_RLJOB, MANAGED_BY
 from rljob_operator.network import with_fresh_key
-from rljob_operator.plan import LABEL_RLJOB, MANAGED_BY
 from rljob_operator.wire import loads
 
 FIELD_MANAGER = MANAGED_BY

@@ -44,19 +44,18 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from rljob_operator.components import Component
+from rljob_operator.errors import PlanError
 from rljob_operator.models import GROUP, MAX_TTL_SECONDS, ComponentStatus, RLJobStatus
-from rljob_operator.plan import (
+from rljob_operator.names import (
     ANNOTATION_ALLOCATION,
     ANNOTATION_TEMPLATE_HASH,
     LABEL_COMPONENT,
     LABEL_RESTART,
-    Component,
-    Limits,
-    Plan,
-    PlanError,
-    plan,
     trainer_job_name,
 )
+from rljob_operator.plan import Plan, plan
+from rljob_operator.policy import Limits
 
 BACKOFF_MAX_SECONDS = 300.0
 # On the ConfigMap NAME-config: what the operator remembers across passes (see the module doc).
@@ -264,7 +263,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
     cond.set("Suspended", False, "NotSuspended", "")
 
     trainers = {o["metadata"]["name"]: o for o in observed.jobs if _component(o) in TRAINER_ROLES}
-    current = {c.role: trainer_job_name(desired, c.role, restarts) for c in _trainer_components(desired)}
+    current = {c.role: trainer_job_name(desired.name, c.role, restarts) for c in _trainer_components(desired)}
     # The status describes what exists: a running trainer Job keeps its allocation until the next gang.
     status["allocation"].update(_running_allocation(trainers, current))
     status["gpus"] = sum(a["gpus"] for a in status["allocation"].values())

@@ -12,7 +12,7 @@ from prometheus_client import start_http_server
 from rljob_operator.handlers import Controller, build_registry
 from rljob_operator.kube import Kube, load_client
 from rljob_operator.metrics import Metrics
-from rljob_operator.plan import Limits
+from rljob_operator.policy import Limits
 from rljob_operator.wire import tolerate_deep_objects_in_kopf
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger("rljob_operator")
 
-# More than plan.MAX_DEPTH (so a cut object is always refused as too deep), and far below
+# More than spec_reader.MAX_DEPTH (so a cut object is always refused as too deep), and far below
 # where copying or validating a decoded object would run out of recursion.
 MAX_WIRE_DEPTH = 100
 TOO_DEEP = f"(nested more than {MAX_WIRE_DEPTH} levels deep: cut off by the operator)"

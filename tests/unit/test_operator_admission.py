@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator.admission import image_allowed
+from rljob_operator.api_rules import image_allowed
 from rljob_operator.cli import build_parser, main
-from rljob_operator.plan import Limits, PlanError, plan, task_module_allowed
+from rljob_operator.plan import Limits, PlanError, plan
+from rljob_operator.policy import task_module_allowed
 from rljob_operator.reconcile import Observed, decide
 
 ROOT = Path(__file__).resolve().parents[2]

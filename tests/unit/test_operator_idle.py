@@ -18,7 +18,7 @@ import yaml
 from rljob_operator.handlers import CHILD_KINDS, Controller, _normalised, tune_watching
 from rljob_operator.kube import APPLIED_HASH, Kube, stamped, unchanged
 from rljob_operator.metrics import Metrics
-from rljob_operator.plan import LABEL_RLJOB
+from rljob_operator.names import LABEL_RLJOB
 
 ROOT = Path(__file__).resolve().parents[2]
 WRITES = ("apply", "create", "patch_status", "delete", "event")

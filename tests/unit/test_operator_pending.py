@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator.plan import ANNOTATION_ALLOCATION, ANNOTATION_TEMPLATE_HASH
+from rljob_operator.names import ANNOTATION_ALLOCATION, ANNOTATION_TEMPLATE_HASH
 from rljob_operator.reconcile import Observed, decide
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,9 +14,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rljob_operator.layout import rollout_servers, trainer_config
 from rljob_operator.models import RESERVED_ENGINE_NAMES
 from rljob_operator.network import NetworkSettings, parse_peer, with_fresh_key
-from rljob_operator.plan import Limits, PlanError, plan, rollout_servers, trainer_config
+from rljob_operator.plan import Limits, PlanError, plan
 from rljob_operator.servers import multi_node_command, server_argv, server_auth
 from treetrain.alloc import parse
 from treetrain.config import validate
@@ -111,7 +112,7 @@ def test_config_map_is_the_checked_trainer_config() -> None:
     assert config["actor"]["treeTraining"] == {
         "enabled": True, "maxTokensPerMicrobatch": 32768, "attention": "auto", "blockSize": 128, "padToMaximum": False,
     }  # fmt: skip
-    assert config["rollout"]["servers"] == [{"url": u, "kind": k, "gpus": 4} for u, k in rollout_servers(p)]
+    assert config["rollout"]["servers"] == [{"url": u, "kind": k, "gpus": 4} for u, k in rollout_servers(p.layout)]
     assert config["rollout"]["weightSync"] == {
         "method": "distributed", "masterAddress": "job-trainer-0.job-trainer.ml.svc", "masterPort": 29600,
         "bucketMb": 512, "timeoutSeconds": 600.0,
@@ -156,7 +157,7 @@ def test_multi_node_instances() -> None:
     assert 'exec "$@" --nnodes 2 --node-rank "$RANK" --dist-init-addr "$LEADER:20000"' in script
     assert container["command"][4:7] == ["python3", "-m", "sglang.launch_server"]  # the argv: arguments, not script
     # The trainer talks only to instance leaders (ordinals 0 and 2).
-    assert rollout_servers(p) == [
+    assert rollout_servers(p.layout) == [
         ("http://job-rollout-0.job-rollout.ml.svc:30000", "sglang"),
         ("http://job-rollout-2.job-rollout.ml.svc:30000", "sglang"),
     ]
@@ -325,7 +326,7 @@ def test_checkpoints_without_a_volume_are_ephemeral() -> None:
 def test_additional_rollouts() -> None:
     p = plan(manifest(additionalRollouts=[{"name": "small", "backend": "vllm:d2"}]))
     assert ("StatefulSet", "job-rollout-small") in by_kind(p.objects)
-    assert len(rollout_servers(p)) == 4
+    assert len(rollout_servers(p.layout)) == 4
 
 
 def test_model_volume() -> None:
@@ -421,7 +422,7 @@ def test_every_trainer_mistake_is_listed_with_its_path() -> None:
 def test_the_trainer_reads_the_plan_with_the_same_rules() -> None:
     # plan() and the trainer share one validation: the mapping plan() checks is what the trainer gets.
     p = plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}))
-    assert validate(trainer_config(p)) == p.config
+    assert validate(trainer_config(p.layout)) == p.config
 
 
 def test_name_length_limit() -> None:
@@ -569,10 +570,12 @@ def test_api_key_secret_is_rendered_without_a_key_and_created_once_with_a_fresh_
     assert plan(manifest()).objects == p.objects
     first, second = with_fresh_key(secret)["stringData"]["api-key"], with_fresh_key(secret)["stringData"]["api-key"]
     assert first != second and len(first) >= 43  # 256 random bits each time
-    assert (
-        with_fresh_key(by_kind(p.objects)[("ConfigMap", "job-config")])
-        == by_kind(p.objects)[("ConfigMap", "job-config")]
-    )
+    # Anything but the key's Secret comes back as it was, and is not changed in place (compared
+    # with a copy taken before: the same dict on both sides would pass whatever the call did).
+    config_map = by_kind(p.objects)[("ConfigMap", "job-config")]
+    before = copy.deepcopy(config_map)
+    assert with_fresh_key(config_map) == before
+    assert config_map == before
 
 
 def _env_of(obj: dict[str, Any]) -> dict[str, Any]:
@@ -633,3 +636,31 @@ def test_metrics_from_refuses_bad_peers_in_one_line(text: str, message: str) -> 
 def test_metrics_from_accepts_a_peer() -> None:
     assert parse_peer(json.dumps(PROMETHEUS)) == PROMETHEUS
     assert parse_peer('{"namespaceSelector": {}}') == {"namespaceSelector": {}}
+
+
+def test_one_complete_plan_per_reconcile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass builds its Plan once, complete and frozen: no draft or half-filled Plans on the way
+    (every construction in rljob_operator.plan is counted, through the reconciler)."""
+    import dataclasses
+    from datetime import UTC, datetime
+
+    import rljob_operator.plan as planning
+    from rljob_operator.reconcile import Observed, decide
+
+    built: list[planning.Plan] = []
+    real = planning.Plan
+
+    def counting(*args: Any, **kwargs: Any) -> planning.Plan:
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(planning, "Plan", counting)
+    decision = decide(manifest(), Observed(), datetime(2026, 1, 1, tzinfo=UTC))
+    assert decision.apply and len(built) == 1
+    p = built[0]
+    assert p.config is not None and p.memory is not None and p.objects
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.objects = []  # type: ignore[misc]
+    built.clear()
+    plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}), restart=2)
+    assert len(built) == 1

@@ -15,7 +15,8 @@ import pytest
 
 from rljob_operator import wire
 from rljob_operator.handlers import WorkQueue
-from rljob_operator.plan import MAX_DEPTH, PlanError, plan
+from rljob_operator.plan import PlanError, plan
+from rljob_operator.spec_reader import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,50 @@
+"""Rendering: an admitted RLJob's desired children, one module per kind of child. Pure.
+
+- :mod:`~rljob_operator.render_configmap`: the trainer config (``NAME-config``)
+- :mod:`~rljob_operator.render_network`: the servers' key Secret and the NetworkPolicy
+- :mod:`~rljob_operator.render_statefulset`: each rollout engine's StatefulSet and Service
+- :mod:`~rljob_operator.render_job`: the trainer gang's Indexed Job (torchrun env) and Service
+- :mod:`~rljob_operator.render_services`, :mod:`~rljob_operator.render_pods`,
+  :mod:`~rljob_operator.render_gang` (Kueue), :mod:`~rljob_operator.render_hashes`: their parts
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rljob_operator.layout import Layout
+from rljob_operator.models import GROUP, KIND, VERSION
+from rljob_operator.network import NetworkSettings
+from rljob_operator.render_configmap import config_map
+from rljob_operator.render_job import trainer
+from rljob_operator.render_network import network
+from rljob_operator.render_statefulset import rollout
+from treetrain.config import TrainConfig
+
+
+def render(
+    layout: Layout,
+    config: TrainConfig,
+    *,
+    settings: NetworkSettings = NetworkSettings(),  # noqa: B008
+    uid: str | None = None,
+) -> list[dict[str, Any]]:
+    """Every child of the RLJob, in apply order; with ``uid``, each controlled by the RLJob."""
+    objects: list[dict[str, Any]] = [config_map(layout, config), *network(layout, settings)]
+    for name, comp in layout.components.items():
+        if comp.role == "rollout":
+            objects += rollout(layout, name, comp)
+        elif comp.colocated_with is None:
+            objects += trainer(layout, config, comp)
+    if uid:
+        owner = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "name": layout.name,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        for obj in objects:
+            obj["metadata"]["ownerReferences"] = [owner]
+    return objects

@@ -1,0 +1,160 @@
+"""The one reader of an RLJob manifest as written: its envelope (apiVersion, kind, name), its
+spec through the pydantic model and, when that model refuses the spec, what can still be read
+from the raw mapping (the backend-bearing fields, the trainer config sections), so one run
+lists every problem. Nothing else in the operator reads the raw spec."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from rljob_operator.errors import FieldError, PlanError
+from rljob_operator.models import GROUP, KIND, VERSION, RLJobSpec
+from rljob_operator.names import MAX_NAME_LENGTH
+from treetrain.config.load import field_name, value_problem
+
+# Deeper than this is refused before any model reads it: pydantic gives up past about 250 levels
+# (a traceback), Python's JSON reader past about 990 (kopf's watch died); real manifests nest < 15.
+MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The backend-bearing fields of a spec, read from the model or, when the schema
+    failed, as far as possible from the raw mapping."""
+
+    gpus_per_node: int
+    rollouts: list[tuple[str, str, str]]  # (component, field path, backend)
+    actor: str | None
+    aux: list[tuple[str, str, bool]]  # (role, backend or "", colocated)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What one manifest says, and the problems found reading it."""
+
+    name: str
+    namespace: str
+    uid: str | None
+    spec: RLJobSpec | None  # None: the schema refused the spec (see errors)
+    engines: Engines
+    written_sections: dict[str, Any]  # the trainer config sections spelled like the config itself
+    errors: list[FieldError] = field(default_factory=list)
+
+
+def read(manifest: Any) -> Reading:
+    """Read ``manifest``; a PlanError at once for what cannot be read at all (not a mapping, too deep)."""
+    if not isinstance(manifest, dict):
+        raise PlanError([FieldError("(document)", "an RLJob manifest must be a mapping")])
+    _check_depth(manifest)
+    errors: list[FieldError] = []
+    if manifest.get("apiVersion") != f"{GROUP}/{VERSION}":
+        errors.append(FieldError("apiVersion", f"must be {GROUP}/{VERSION}, got {manifest.get('apiVersion')!r}"))
+    if manifest.get("kind") != KIND:
+        errors.append(FieldError("kind", f"must be {KIND}, got {manifest.get('kind')!r}"))
+    metadata = manifest.get("metadata") or {}
+    name = str(metadata.get("name") or "")
+    errors += _check_name(name)
+    raw = manifest.get("spec")
+    spec: RLJobSpec | None = None
+    try:
+        spec = RLJobSpec.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        errors += [_pydantic_error(e) for e in exc.errors()]
+    return Reading(
+        name=name,
+        namespace=str(metadata.get("namespace") or "default"),
+        uid=metadata.get("uid") or None,
+        spec=spec,
+        engines=_engines(spec, raw),
+        written_sections=_written_sections(raw),
+        errors=errors,
+    )
+
+
+def _check_depth(manifest: dict[str, Any]) -> None:
+    """A PlanError naming where ``manifest`` nests more than :data:`MAX_DEPTH` levels; iterative."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(manifest, ())]
+    while stack:
+        node, path = stack.pop()
+        if len(path) > MAX_DEPTH:
+            where = ".".join(path[:4]) + (".…" if len(path) > 4 else "")
+            raise PlanError([FieldError(where, f"nested more than {MAX_DEPTH} levels deep; an RLJob may nest at "
+                                               f"most {MAX_DEPTH}: flatten it")])  # fmt: skip
+        if isinstance(node, dict):
+            stack.extend((v, (*path, str(k))) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, (*path, f"[{i}]")) for i, v in enumerate(node))
+
+
+def _check_name(name: str) -> list[FieldError]:
+    if not name:
+        return [FieldError("metadata.name", "is required")]
+    if len(name) > MAX_NAME_LENGTH or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
+        return [
+            FieldError(
+                "metadata.name",
+                f"{name!r} must be a DNS label of at most {MAX_NAME_LENGTH} characters "
+                "(lower-case letters, digits, '-'), so that child names stay valid",
+            )
+        ]
+    return []
+
+
+def _pydantic_error(error: Any) -> FieldError:
+    path = ".".join(field_name(p) for p in ("spec", *error["loc"]))
+    if error["type"] == "missing":
+        return FieldError(path, "is required")
+    if error["type"] == "extra_forbidden":
+        return FieldError(path, "is not a field of RLJob (check the spelling; fields are camelCase)")
+    return FieldError(path, value_problem(error))
+
+
+def _written_sections(raw: Any) -> dict[str, Any]:
+    """The trainer config sections an RLJob spec spells like the config itself."""
+    raw = raw if isinstance(raw, dict) else {}
+    found = {
+        "actor": raw.get("actor"),
+        "critic": raw.get("critic"),
+        "ref": raw.get("ref"),
+        "trainer": raw.get("trainerConfig"),
+    }
+    # model.path is a placeholder (a broken schema may hide the real one); its problems are dropped.
+    return {"model": {"path": "unchecked"}, **{k: v for k, v in found.items() if isinstance(v, dict)}}
+
+
+def _engines(spec: RLJobSpec | None, raw: Any) -> Engines:
+    if spec is not None:
+        rollouts = [("rollout", "spec.rollout.backend", spec.rollout.backend)]
+        rollouts += [
+            (f"rollout-{e.name}", f"spec.additionalRollouts[{i}].backend", e.backend)
+            for i, e in enumerate(spec.additional_rollouts)
+        ]
+        aux = [(role, a.backend, a.colocated) for role in ("critic", "ref") if (a := getattr(spec, role)) is not None]
+        return Engines(spec.gpus_per_node, rollouts, spec.actor.backend, aux)
+    raw = raw if isinstance(raw, dict) else {}
+
+    def backend(node: Any) -> str | None:
+        value = node.get("backend") if isinstance(node, dict) else None
+        return value if isinstance(value, str) and value else None
+
+    gpus = raw.get("gpusPerNode", 8)
+    rollouts = [("rollout", "spec.rollout.backend", b)] if (b := backend(raw.get("rollout"))) else []
+    extra = raw.get("additionalRollouts")
+    for i, node in enumerate(extra if isinstance(extra, list) else []):
+        if (b := backend(node)) and isinstance(node.get("name"), str):
+            rollouts.append((f"rollout-{node['name']}", f"spec.additionalRollouts[{i}].backend", b))
+    aux = []
+    for role in ("critic", "ref"):
+        node = raw.get(role)
+        if isinstance(node, dict):
+            aux.append((role, backend(node) or "", node.get("colocated", True) is not False))
+    return Engines(
+        gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 8,
+        rollouts,
+        backend(raw.get("actor")),
+        aux,
+    )
