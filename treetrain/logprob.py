@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from treetrain.tree import PackConfig, PackedTree, pack
+from treetrain.tree import DEFAULT_BLOCK_SIZE, PackConfig, PackedTree, pack
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -179,8 +179,6 @@ def tree_logprobs_entropy(
 def _environment(attention: str) -> tuple[str, int]:
     """``TREETRAIN_ATTENTION`` (for ``auto``) and ``TREETRAIN_BLOCK_SIZE``, read by the entry points."""
     import os
-
-    from treetrain.config import DEFAULT_BLOCK_SIZE
 
     if attention == "auto":
         attention = os.environ.get("TREETRAIN_ATTENTION", "").strip() or "auto"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,26 @@ def test_launch_facts_come_from_the_environment() -> None:
 
 
 def test_engine_support_is_one_table() -> None:
+    """The parser, config validation (and so admission: ``rljob plan`` validates with it) and
+    ``build_engine`` (tests/unit/test_engine_core.py) read one table, ENGINE_LETTERS: every
+    letter on every engine parses and runs exactly as its row says, and the config's ENGINES
+    is that row, not a table of its own."""
+    from treetrain.alloc import ENGINE_LETTERS, TRAINING_BACKENDS
+
+    letter_field = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
     assert C.check_training_backend("fsdp:d2t2").world_size == 4
+    assert set(C.ENGINES) == set(TRAINING_BACKENDS)
+    for backend in TRAINING_BACKENDS:
+        row = ENGINE_LETTERS[backend]
+        assert C.ENGINES[backend].built == row.built
+        assert C.ENGINES[backend].refused == {letter_field[k]: why for k, why in row.not_yet.items()}
+        for letter in "dtpce":
+            dims = f"d2{letter}2" if letter == "e" else f"{letter}2"
+            assert _parses(f"{backend}:{dims}") == (letter in row.accepted), (backend, letter)
+            assert _runs(f"{backend}:{dims}") == (row.built and letter in row.runs), (backend, letter)
+            if letter in row.not_yet:
+                with pytest.raises(ValueError, match=re.escape(row.not_yet[letter])):
+                    C.check_training_backend(f"{backend}:{dims}")
     for backend, phrase in [
         ("fsdp:c2d4", "context parallelism is not supported by the FSDP engine"),
         ("fsdp:c2", "context parallelism"),
@@ -115,6 +136,16 @@ def test_engine_support_is_one_table() -> None:
     ]:
         with pytest.raises(ValueError, match=phrase):
             C.check_training_backend(backend)
+
+
+def _parses(backend: str) -> bool:
+    from treetrain.alloc import AllocationError, parse
+
+    try:
+        parse(backend)
+    except AllocationError:
+        return False
+    return True
 
 
 def _runs(backend: str) -> bool:
@@ -162,13 +193,70 @@ EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
 BLOCKS = (16, 64, 128)
 
 
+@dataclass(frozen=True)
+class BackendCase:
+    """A training backend string and what ENGINE_LETTERS alone says of it (never the parser)."""
+
+    text: str
+    parses: bool
+    runs: bool
+    world_size: int
+    alignment: int  # t * c: what a micro-batch cap must be a multiple of (with the block)
+
+
+def _text(sizes: dict[str, int]) -> str:
+    return "".join(f"{letter}{size}" for letter, size in sizes.items() if size > 1) or "d1"
+
+
+@st.composite
+def training_backends(draw: st.DrawFn, runnable_only: bool = False) -> BackendCase:
+    """Every training engine with every letter (d, t, p, c, e), plain or hybrid
+    ``(attn:...|ffn:...)``; ``runnable_only``: only what the table says the engine runs.
+    Sizes keep the expert grid whole (e divides the GPUs), so only the letters decide."""
+    from treetrain.alloc import ENGINE_LETTERS, TRAINING_BACKENDS
+
+    backend = draw(st.sampled_from(TRAINING_BACKENDS))
+    row = ENGINE_LETTERS[backend]
+    pool = row.runs if runnable_only else "dtpce"
+    hybrid = draw(st.booleans()) and (row.hybrid or not runnable_only)
+    attn = {letter: draw(st.sampled_from((1, 2))) if letter in pool else 1 for letter in "dtpc"}
+    world = math.prod(attn.values())
+    e = 2 if "e" in pool and draw(st.booleans()) and (world // attn["p"]) % 2 == 0 else 1
+    used = {letter for letter, size in {**attn, "e": e}.items() if size > 1}
+    runs_letters = row.built and not used & set(row.not_yet)
+    if hybrid:
+        etp = 2 if draw(st.booleans()) and world % (attn["p"] * 2 * e) == 0 else 1
+        ffn = {"d": world // (attn["p"] * etp * e), "p": attn["p"], "t": etp, "e": e}
+        text = f"{backend}:(attn:{_text(attn)}|ffn:{_text(ffn)})"
+        parses = row.hybrid
+    else:
+        text = f"{backend}:{_text({**attn, 'e': e})}"
+        parses = used <= set(row.accepted)
+    return BackendCase(text, parses, parses and runs_letters, world, attn["t"] * attn["c"])
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(training_backends())
+def test_admission_validation_and_the_parser_do_what_the_table_says(case: BackendCase) -> None:
+    assert _parses(case.text) == case.parses, case
+    assert _runs(case.text) == case.runs, case
+    manifest = copy.deepcopy(EXAMPLE)
+    manifest["spec"]["actor"] = {"backend": case.text}
+    try:
+        plan(manifest)
+    except PlanError:
+        admitted = False
+    else:
+        admitted = True
+    assert admitted == case.runs, case
+
+
 @st.composite
 def rljobs(draw: st.DrawFn) -> dict[str, Any]:
     """Valid RLJob manifests over the fields that reach the trainer config."""
-    tp = draw(st.sampled_from((1, 2, 4, 8)))
-    dp = draw(st.sampled_from((1, 2, 4, 8))) if tp == 1 else 8 // tp
+    actor = draw(training_backends(runnable_only=True))
     block = draw(st.sampled_from(BLOCKS))
-    align = math.lcm(block, tp)
+    align = math.lcm(block, actor.alignment)
     tree = {
         "enabled": draw(st.booleans()),
         "maxTokensPerMicrobatch": align * draw(st.integers(1, 64)),
@@ -190,13 +278,13 @@ def rljobs(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         trainer["rollout"] = {"temperature": draw(st.floats(0.1, 2.0)), "topP": draw(st.floats(0.1, 1.0))}
     spec: dict[str, Any] = copy.deepcopy(EXAMPLE["spec"])
-    spec["actor"] = {"backend": f"fsdp:d{dp}t{tp}", "treeTraining": tree}
+    spec["actor"] = {"backend": actor.text, "treeTraining": tree}
     spec["trainerConfig"] = trainer
     spec["rollout"] = {"backend": draw(st.sampled_from(("sglang:d2t4", "vllm:d1t8", "sglang:d4t2")))}
     if draw(st.booleans()):
         spec["additionalRollouts"] = [{"name": "small", "backend": "vllm:d2t2", "port": 8000}]
     if algorithm == "ppo":
-        spec["critic"] = {"backend": draw(st.sampled_from(("", f"fsdp:d{dp * tp}")))}
+        spec["critic"] = {"backend": draw(st.sampled_from(("", f"fsdp:d{actor.world_size}")))}
     if draw(st.booleans()):
         spec["ref"] = {}
     spec["checkpoint"] = {"intervalSteps": draw(st.integers(1, 1000))}
@@ -348,3 +436,21 @@ def test_a_hub_id_passes_the_config_and_is_refused_at_load_time() -> None:
     # The config cannot see the pod's files: only an empty path is refused here.
     cfg = C.validate({"model": SMOL, "trainer": {"dataset": {"path": "openai/gsm8k"}, "reward": "builtin:math"}})
     assert cfg.trainer.dataset is not None and cfg.trainer.dataset.path == "openai/gsm8k"
+
+
+def test_the_built_in_task_table_matches_the_task_constructors() -> None:
+    """config.tasks (what validation reads, below rl) and rl.task.BUILTIN_TASKS (what the
+    trainer builds) name the same tasks, with the same arguments, types and tokenizer need."""
+    import inspect
+    import typing
+
+    from treetrain.config.tasks import BUILTIN_TASKS as CHECKED
+    from treetrain.rl.task import BUILTIN_TASKS as BUILT
+
+    assert list(CHECKED) == list(BUILT)
+    for name, factory in BUILT.items():
+        params = inspect.signature(factory).parameters
+        hints = typing.get_type_hints(factory)
+        tokenizer = params.get("tokenizer")
+        assert CHECKED[name].needs_tokenizer == (tokenizer is not None and tokenizer.default is inspect.Parameter.empty)
+        assert dict(CHECKED[name].args) == {p: hints[p] for p in params if p != "tokenizer"}, name

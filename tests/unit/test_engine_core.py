@@ -229,3 +229,28 @@ def test_max_stats_are_the_batch_maxima_on_every_rank() -> None:
     from test_engine_dist import spawn_ranks
 
     spawn_ranks(_max_stats_on_two_ranks, 2)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "megatron", "archon"])
+def test_build_engine_refuses_what_the_engine_table_says(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_engine reads ENGINE_LETTERS, the table config validation and admission read, for
+    a string and for the Allocation the trainer passes: a letter the row does not run is
+    refused with its reason; one it runs gets as far as joining (one process, so the world
+    size of 2 is what stops it)."""
+    from treetrain.alloc import ENGINE_LETTERS, AllocationError, parse
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    row = ENGINE_LETTERS[engine]
+    for letter in "tpce":
+        spec = f"{engine}:d2{letter}2" if letter == "e" else f"{engine}:{letter}2"
+        if letter not in row.accepted:
+            with pytest.raises(AllocationError):
+                build_engine("builtin:tiny-llama", spec)
+            continue
+        for backend in (spec, parse(spec)):
+            with pytest.raises(ValueError) as err:
+                build_engine("builtin:tiny-llama", backend)
+            if letter in row.runs:
+                assert "processes" in str(err.value), (spec, str(err.value))
+            else:
+                assert row.not_yet[letter] in str(err.value), (spec, str(err.value))

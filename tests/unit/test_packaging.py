@@ -44,3 +44,29 @@ def test_operator_dir_never_shadows_the_stdlib(cwd: str) -> None:
     code = "import operator, rljob_operator; print(operator.itemgetter.__module__, rljob_operator.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd)
     assert out.stdout.split() == ["operator", "rljob_operator"]
+
+
+def _layers_contract() -> list[str]:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["treetrain"]]
+    return [" | ".join(part.strip() for part in layer.split("|")) for layer in layers["layers"]]
+
+
+def _layers_in_docs() -> list[str]:
+    """The diagram of docs/contracts.md's Layers section: one layer a line, before its `—`."""
+    doc = (ROOT / "docs" / "contracts.md").read_text()
+    section = doc[doc.index("\n## Layers\n") :]
+    block = section[section.index("```text\n") + len("```text\n") : section.index("\n```", section.index("```text"))]
+    return [" | ".join(p.strip() for p in line.split("—")[0].split("|")) for line in block.splitlines() if line]
+
+
+def test_the_docs_layers_diagram_is_the_import_contract() -> None:
+    assert _layers_in_docs() == _layers_contract(), "docs/contracts.md's Layers diagram and pyproject.toml differ"
+
+
+def test_every_part_of_treetrain_sits_in_a_layer() -> None:
+    """A new package or top-level module must be placed in the layers contract, not escape it."""
+    parts = {p.name for p in (ROOT / "treetrain").iterdir() if (p / "__init__.py").is_file()}
+    parts |= {p.stem for p in (ROOT / "treetrain").glob("*.py") if p.stem != "__init__"}
+    layered = {name.strip() for layer in _layers_contract() for name in layer.split("|")}
+    assert parts == layered

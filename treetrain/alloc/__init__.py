@@ -14,9 +14,11 @@ from treetrain.alloc.errors import (
 )
 from treetrain.alloc.model import (
     BACKENDS,
+    ENGINE_LETTERS,
     INFERENCE_BACKENDS,
     TRAINING_BACKENDS,
     Allocation,
+    EngineLetters,
     ParallelDims,
 )
 from treetrain.alloc.parser import migrate, migration_yaml, parse
@@ -24,12 +26,14 @@ from treetrain.alloc.placement import PodPlan, plan_pods
 
 __all__ = [
     "BACKENDS",
+    "ENGINE_LETTERS",
     "INFERENCE_BACKENDS",
     "TRAINING_BACKENDS",
     "Allocation",
     "AllocationError",
     "AllocationSyntaxError",
     "AllocationValidationError",
+    "EngineLetters",
     "LegacySpecError",
     "MissingBackendError",
     "ParallelDims",

@@ -13,7 +13,8 @@ World size is ``dp * tp * pp * cp``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from treetrain.alloc.errors import AllocationValidationError
@@ -24,15 +25,40 @@ INFERENCE_BACKENDS = ("sglang", "vllm")
 TRAINING_BACKENDS = ("fsdp", "megatron", "archon")
 BACKENDS = INFERENCE_BACKENDS + TRAINING_BACKENDS
 
-# Which letters each backend accepts in a plain (non-hybrid) string.
-BACKEND_LETTERS: dict[str, str] = {
-    "sglang": "dtp",
-    "vllm": "dtp",
-    "fsdp": "dtc",
-    "megatron": "dtpce",
-    "archon": "dtpce",
+
+@dataclass(frozen=True, slots=True)
+class EngineLetters:
+    """What one backend runs: the one table that the parser, config validation, admission
+    (the operator, ``rljob plan``) and :func:`treetrain.engines.build_engine` consult.
+
+    ``accepted``: the letters a plain (non-hybrid) string of this backend may hold; the parser
+    refuses any other (no engine of the kind could run it, e.g. fsdp with p or e).
+    ``not_yet``: accepted letters this engine does not run yet -> why; validation refuses them
+    above size 1, with the reason and a string that would run.
+    ``hybrid``: it takes the MoE form ``backend:(attn:...|ffn:...)``.
+    ``built``: False for an engine not in this release (validation refuses every string)."""
+
+    accepted: str
+    not_yet: Mapping[str, str] = field(default_factory=dict)
+    hybrid: bool = False
+    built: bool = True
+
+    @property
+    def runs(self) -> str:
+        """The letters this engine runs today (plain strings)."""
+        return "".join(letter for letter in self.accepted if letter not in self.not_yet)
+
+
+ENGINE_LETTERS: dict[str, EngineLetters] = {
+    "sglang": EngineLetters(accepted="dtp"),
+    "vllm": EngineLetters(accepted="dtp"),
+    "fsdp": EngineLetters(accepted="dtc", not_yet={"c": "context parallelism is not supported by the FSDP engine yet"}),
+    "megatron": EngineLetters(accepted="dtpce", hybrid=True),
+    "archon": EngineLetters(accepted="dtpce", hybrid=True),
 }
-HYBRID_BACKENDS = ("megatron", "archon")
+# Which letters each backend accepts in a plain (non-hybrid) string (a view of the table above).
+BACKEND_LETTERS: dict[str, str] = {backend: letters.accepted for backend, letters in ENGINE_LETTERS.items()}
+HYBRID_BACKENDS = tuple(backend for backend, letters in ENGINE_LETTERS.items() if letters.hybrid)
 # Bounds that no cluster reaches: they keep a typo (d1000000) or a hostile string from planning
 # millions of pods, and every size within what Python parses without a digit limit.
 MAX_SIZE = 65536
@@ -178,6 +204,27 @@ class Allocation:
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+    @property
+    def alignment(self) -> int:
+        """Tokens of a packed tree split evenly over this many ranks: tensor parallel (sequence
+        parallel) times context parallel, which splits each tree's rows. Config validation
+        checks the micro-batch cap against it and the engines pack with it."""
+        return self.dims.tp * self.dims.cp
+
+    @property
+    def letters(self) -> EngineLetters:
+        """What this allocation's engine runs (:data:`ENGINE_LETTERS`)."""
+        return ENGINE_LETTERS[self.backend]
+
+    def not_yet_run(self) -> tuple[str, int, str] | None:
+        """The first letter set above 1 that this engine does not run yet: (letter, size, why);
+        None when the engine runs every letter here."""
+        for letter, why in self.letters.not_yet.items():
+            size = getattr(self.dims, LETTER_FIELD[letter])
+            if size > 1:
+                return letter, size, why
+        return None
 
     @property
     def instances(self) -> int:

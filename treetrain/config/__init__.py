@@ -16,7 +16,6 @@ from treetrain.config.load import (
     validate_with_launch,
 )
 from treetrain.config.schema import (
-    DEFAULT_BLOCK_SIZE,
     ActorSettings,
     CheckpointSettings,
     LossSettings,
@@ -33,6 +32,7 @@ from treetrain.config.schema import (
     ValueLossSettings,
     WeightSyncSettings,
 )
+from treetrain.tree.pack import DEFAULT_BLOCK_SIZE  # re-exported: the one definition lives in the bottom layer
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

@@ -6,16 +6,17 @@ still lists every problem it can find.
 
 from __future__ import annotations
 
-import inspect
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from treetrain.alloc import Allocation, AllocationError
+from treetrain.config import catalog
 from treetrain.config.algorithms import objective
 from treetrain.config.backends import alignment_size, check_training_backend
+from treetrain.config.errors import EngineConfigError
 from treetrain.config.schema import (
     BUILTIN_REWARDS,
     IMPORT_STRING_FORM,
@@ -26,9 +27,7 @@ from treetrain.config.schema import (
     RolloutServers,
     TrainerSettings,
 )
-from treetrain.engines import catalog
-from treetrain.engines.errors import EngineConfigError
-from treetrain.rl.task import BUILTIN_TASKS
+from treetrain.config.tasks import BUILTIN_TASKS
 from treetrain.tree.pack import capacity_problem
 
 Problem = tuple[str, str]  # (field path, message)
@@ -236,16 +235,15 @@ def check_task(s: Sections) -> list[Problem]:
     if name not in BUILTIN_TASKS:
         known = ", ".join("builtin:" + n for n in BUILTIN_TASKS)
         return [("trainer.task", f"unknown built-in task {spec!r}; built-in: {known}")]
-    params = inspect.signature(BUILTIN_TASKS[name]).parameters
+    task = BUILTIN_TASKS[name]
     found: list[Problem] = []
     for key in t.task_args:
         snake = "".join("_" + c.lower() if c.isupper() else c for c in key)
-        if snake not in params or snake == "tokenizer":
-            valid = sorted(_camel(p) for p in params if p != "tokenizer")
+        if snake not in task.args:
+            valid = sorted(_camel(p) for p in task.args)
             found.append((f"trainer.taskArgs.{key}", f"{spec} takes no argument {key!r}; valid: {', '.join(valid)}"))
-    found += _task_arg_types(spec, BUILTIN_TASKS[name], t.task_args)
-    tokenizer = params.get("tokenizer")
-    needs_text = tokenizer is not None and tokenizer.default is inspect.Parameter.empty
+    found += _task_arg_types(spec, task.args, t.task_args)
+    needs_text = task.needs_tokenizer
     if needs_text and s.model is not None and s.fine("model.path") and catalog.random_config(s.model.path) is not None:
         found.append(
             (
@@ -257,11 +255,10 @@ def check_task(s: Sections) -> list[Problem]:
     return found
 
 
-def _task_arg_types(spec: str, factory: Callable[..., object], args: dict[str, Any]) -> list[Problem]:
+def _task_arg_types(spec: str, hints: Mapping[str, Any], args: dict[str, Any]) -> list[Problem]:
     """A built-in task's arguments have the types its signature says (``turns: "2"`` would pass
     here and fail in the trainer, once the pods are up): ints are ints (not bools), floats take
     ints too, strings are strings, tuples of ints are lists of ints."""
-    hints = typing.get_type_hints(factory)
     found: list[Problem] = []
     for key, value in args.items():
         snake = "".join("_" + c.lower() if c.isupper() else c for c in key)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from treetrain.tree.pack import DEFAULT_BLOCK_SIZE
+
 AttentionName = Literal["auto", "flex", "triton", "sparse", "dense"]
 RolloutKind = Literal["auto", "local", "sglang", "vllm"]
 ServerKind = Literal["auto", "sglang", "vllm"]
@@ -27,7 +29,6 @@ WeightSyncMethod = Literal["distributed", "disk"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
 
-DEFAULT_BLOCK_SIZE = 128
 MAX_BACKEND = 128  # characters of a backend string (bounds the CRD's CEL rules too)
 DEFAULT_WEIGHT_SYNC_PORT = 29600  # trainer rank 0's rendezvous port for the weight-update group
 

@@ -275,12 +275,13 @@ class Engine(ABC):
     # -- packing ---------------------------------------------------------------------------
     def _pack_config(self, *, tree: bool) -> PackConfig:
         """Trees aligned to the block and to the ranks that split a tree's tokens (tensor /
-        sequence parallel times context parallel: ``treetrain.config.alignment_size``), spread
-        over the data-parallel ranks."""
+        sequence parallel times context parallel: :attr:`treetrain.alloc.Allocation.alignment`,
+        the size config validation checked the micro-batch cap against), spread over the
+        data-parallel ranks."""
         return PackConfig(
             max_tokens_per_mb=self.tree.max_tokens_per_mb,
             block_size=self.block_size,
-            parallel_size=self.layout.tp * self.layout.cp,
+            parallel_size=self.layout.allocation.alignment,
             dp_size=self.layout.dp,
             pad_to_max=self.tree.pad_to_maximum,
             share_prefixes=tree,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 # The catalogue (names, random configs, packaged files) is torch-free: config validation reads it.
-from treetrain.engines.catalog import (
+from treetrain.config.catalog import (
     NAMES,
     PACKAGED_MODELS,
     PREFIX,

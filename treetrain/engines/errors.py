@@ -1,10 +1,7 @@
-"""Engine errors, torch-free: config validation raises them before any engine is built."""
+"""Engine errors: defined in the torch-free bottom (:mod:`treetrain.config.errors`), since
+config validation raises them before any engine is built; re-exported here, where engine
+code and users import them."""
 
+from treetrain.config.errors import CheckpointUnreadableError, EngineConfigError
 
-class EngineConfigError(ValueError):
-    """A bad engine setting; the message says what to change."""
-
-
-class CheckpointUnreadableError(EngineConfigError):
-    """A checkpoint file that cannot be read (torn by a crash or a full disk): the trainer falls
-    back to an older checkpoint instead of stopping."""
+__all__ = ["CheckpointUnreadableError", "EngineConfigError"]

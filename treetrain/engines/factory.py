@@ -12,24 +12,28 @@ from __future__ import annotations
 
 from typing import get_args
 
+from treetrain.alloc import Allocation
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, check_training_backend
+from treetrain.config.backends import check_engine_support
+from treetrain.config.errors import EngineConfigError
 from treetrain.config.schema import DType
 from treetrain.engines import builtin, weights
 from treetrain.engines.base import Engine, check_role
-from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.parallel import init_distributed
 
 
 def build_engine(
     model: str | ModelSettings,
-    backend: str,
+    backend: str | Allocation,
     *,
     role: str = "actor",
     tree: TreeTrainingSettings | None = None,
     optimizer: OptimizerSettings | None = None,
     dtype: str = "float32",
 ) -> Engine:
-    """The engine that runs ``backend`` (``fsdp:d4t2``) for ``model``.
+    """The engine that runs ``backend`` (``fsdp:d4t2``, or the :class:`Allocation` config
+    validation parsed it into: the trainer passes that, so a pod parses each string once)
+    for ``model``.
 
     ``model``: a Hugging Face model directory, ``builtin:NAME``, or full :class:`ModelSettings`
     (a string becomes ``ModelSettings(path=model, dtype=dtype)``; settings carry their own
@@ -42,7 +46,7 @@ def build_engine(
     Everything that can be checked before joining the process group is (role, dtype, model
     name, backend string): a bad value raises a one-line ``ValueError``
     (:class:`EngineConfigError` or the parser's ``AllocationError``) naming the fix, e.g. for a
-    parallel letter the engine refuses (``treetrain.config.backends`` holds that table).
+    parallel letter the engine refuses (``treetrain.alloc.ENGINE_LETTERS`` holds that table).
     """
     check_role(role)
     if isinstance(model, str):
@@ -60,7 +64,7 @@ def build_engine(
     builtin.check_path(settings.path)
     # A damaged weight file is one line now, not a loader's traceback inside the engine.
     weights.check_model_dir(builtin.local_dir(settings.path), settings.path)
-    allocation = check_training_backend(backend)
+    allocation = check_engine_support(backend) if isinstance(backend, Allocation) else check_training_backend(backend)
     if allocation.backend == "megatron":
         from treetrain.engines.megatron import MegatronEngine, init_megatron
 

@@ -16,7 +16,6 @@ import contextlib
 import inspect
 import math
 import numbers
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,17 +114,10 @@ def run_agents(
 
 def _open_session(server: ProxyServer, seed: int) -> tuple[str, str]:
     """A session of our own; at the proxy's session bound, wait as it says (bounded)."""
-    from treetrain.proxy.sessions import Refused
-
-    deadline = time.monotonic() + SESSION_WAIT_S
-    while True:
-        try:
-            session = server.store.create(seed=seed)
-            return session.id, session.api_key
-        except Refused as err:
-            if time.monotonic() >= deadline:
-                raise TaskError(f"agent proxy: no session after {SESSION_WAIT_S:g}s: {err.message}") from None
-            time.sleep(min(err.retry_after_s or 0.5, 1.0))
+    session = server.store.create_waiting(seed=seed, wait_s=SESSION_WAIT_S)
+    if isinstance(session, str):
+        raise TaskError(f"agent proxy: no session after {SESSION_WAIT_S:g}s: {session}")
+    return session.id, session.api_key
 
 
 def _end_quietly(server: ProxyServer, sid: str) -> None:

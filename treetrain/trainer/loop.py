@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treetrain.config import Launch, RoleSettings, TrainConfig
+from treetrain.config import Launch, RoleSettings, TrainConfig, check_training_backend
 from treetrain.config.algorithms import objective
 from treetrain.config.schema import max_staleness
 from treetrain.engines import build_engine, builtin
@@ -124,7 +124,9 @@ class Trainer:
         # The task's own code runs under a per-episode budget, and SIGTERM stops it (treetrain.rl.limits).
         self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
         tree = cfg.actor.tree_training
-        self.actor: Engine = build_engine(cfg.model, cfg.actor.backend, role="actor", tree=tree, optimizer=t.optimizer)
+        # The Allocation config validation parsed (check_training_backend caches it): parsed once per pod.
+        actor = check_training_backend(cfg.actor.backend)
+        self.actor: Engine = build_engine(cfg.model, actor, role="actor", tree=tree, optimizer=t.optimizer)
         self.layout = self.actor.layout
         self.main = self.layout.is_main
         vocab = self.actor.vocab_size
@@ -134,7 +136,8 @@ class Trainer:
             )
         # The reference model only feeds the KL term: without it, it is not built at all.
         use_ref = cfg.ref is not None and t.loss.kl_coef > 0
-        self.ref = self._colocated(cfg.ref, "ref", optimize=False) if use_ref else None
+        # Tested on cfg.ref itself, so the type checker sees it is set where it is used.
+        self.ref = self._colocated(cfg.ref, "ref", optimize=False) if cfg.ref is not None and use_ref else None
         if cfg.ref is not None and not use_ref:
             self.log("ref: configured but trainer.loss.klCoef is 0, so no reference model is built")
         self.critic = self._colocated(cfg.critic, "critic", optimize=True) if cfg.critic is not None else None
@@ -157,7 +160,7 @@ class Trainer:
     def _colocated(self, settings: RoleSettings, role: str, *, optimize: bool) -> Engine:
         """A critic/ref in the actor's processes, in its own layout when its backend differs."""
         cfg = self.cfg
-        backend = settings.backend or cfg.actor.backend
+        backend = check_training_backend(settings.backend or cfg.actor.backend)
         optimizer = cfg.trainer.optimizer if optimize else None
         return build_engine(cfg.model, backend, role=role, tree=cfg.actor.tree_training, optimizer=optimizer)
 

@@ -9,6 +9,7 @@ metadata into tensors.
 
 from treetrain.tree.layout import PAD_TOKEN_ID, PackedTree, layout_tree, pad_tree
 from treetrain.tree.pack import (
+    DEFAULT_BLOCK_SIZE,
     PackConfig,
     PackedBatch,
     PackingError,
@@ -19,6 +20,7 @@ from treetrain.tree.pack import (
 from treetrain.tree.trie import common_prefix, trie_order
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
     "PAD_TOKEN_ID",
     "PackConfig",
     "PackStats",

@@ -38,6 +38,10 @@ from treetrain.tree.trie import trie_order
 T = TypeVar("T")
 
 
+# The one attention block size default: the config's blockSize, packing, and log-probs outside a trainer.
+DEFAULT_BLOCK_SIZE = 128
+
+
 class PackingError(ValueError):
     """Bad packing input or configuration; the message says what to change."""
 
@@ -47,7 +51,7 @@ class PackConfig:
     """How to pack. ``max_tokens_per_mb`` counts tree tokens (unique tokens) per micro-batch."""
 
     max_tokens_per_mb: int
-    block_size: int = 128
+    block_size: int = DEFAULT_BLOCK_SIZE
     parallel_size: int = 1
     dp_size: int = 1
     pad_to_max: bool = False
