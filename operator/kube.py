@@ -6,17 +6,16 @@ manager, create-if-missing, delete, list children by label, status patches and e
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import kubernetes
-from kubernetes.client import ApiClient, Configuration
+from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from rljob_operator.applied import object_uid, owner_uid
+from rljob_operator.kube_login import Credentials
 from rljob_operator.models import GROUP, KIND, PLURAL, VERSION
 from rljob_operator.names import LABEL_RLJOB, MANAGED_BY
 from rljob_operator.network import with_fresh_key
@@ -26,16 +25,9 @@ FIELD_MANAGER = MANAGED_BY
 # (connect, read) seconds: a frozen API server must not pin the reconcile workers for ever;
 # a timed-out call is retried by the work queue like any other failed reconcile.
 REQUEST_TIMEOUT = (5.0, 30.0)
-# On each applied child: a hash of what the operator applied. A child whose live annotation
-# matches what this pass would apply is left alone: a steady state sends no PATCH per child.
-APPLIED_HASH = "treetrain.dev/applied-hash"
 # Objects whose ownership was checked, at most this many remembered (then it starts over:
 # forgetting costs one GET per child, remembering for ever would grow with every RLJob seen).
 MAX_REMEMBERED_OWNERS = 8192
-# Connections kept to the API server for the reconcile workers and their parallel requests
-# (the client's default, 5 per CPU, made them queue for a connection on a small node).
-CONNECTIONS = 64
-
 # kind -> (API prefix, plural)
 _PATHS = {
     "ConfigMap": ("/api/v1", "configmaps"),
@@ -69,65 +61,6 @@ class NotOurs(Exception):
             f"{kind} {name} already exists and is {whose}; it is left untouched. Fix: rename the RLJob, "
             f"or delete or rename that {kind}"
         )
-
-
-def stamped(obj: dict[str, Any]) -> dict[str, Any]:
-    """``obj`` with :data:`APPLIED_HASH` set to the hash of its own content (the annotation left out)."""
-    meta = dict(obj["metadata"])
-    notes = {k: v for k, v in (meta.get("annotations") or {}).items() if k != APPLIED_HASH}
-    meta["annotations"] = notes
-    body = {**obj, "metadata": meta}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
-    return {**obj, "metadata": {**meta, "annotations": {**notes, APPLIED_HASH: digest}}}
-
-
-def unchanged(desired: dict[str, Any], live: dict[str, Any] | None) -> bool:
-    """Whether the live child already is what applying ``desired`` (a :func:`stamped` object) would
-    make it. A hand edit that keeps the annotation is not seen here: it is reverted when the RLJob
-    (so the hash) next changes, or by deleting the child, which the operator then recreates."""
-    if live is None or (live.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    want = desired["metadata"]["annotations"][APPLIED_HASH]
-    have = ((live.get("metadata") or {}).get("annotations") or {}).get(APPLIED_HASH)
-    return bool(have == want and _owner_uid(live) == _owner_uid(desired))
-
-
-def _uid(obj: dict[str, Any] | None) -> str | None:
-    uid = ((obj or {}).get("metadata") or {}).get("uid")
-    return str(uid) if uid else None
-
-
-def _owner_uid(obj: dict[str, Any]) -> str | None:
-    """The uid of the controlling owner (the RLJob, for our children)."""
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
-    return next((r.get("uid") for r in refs if r.get("controller")), None)
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """What kopf needs to log in with the same identity as this client."""
-
-    server: str
-    ca_path: str | None
-    insecure: bool
-    token: str | None
-    certificate_path: str | None
-    private_key_path: str | None
-
-
-def load_client(kubeconfig: str | None = None) -> tuple[ApiClient, bool]:
-    """In a pod: the ServiceAccount; else ``kubeconfig`` or $KUBECONFIG / ~/.kube/config.
-    Returns the client and whether it is the in-cluster one."""
-    cfg = Configuration()
-    cfg.connection_pool_maxsize = CONNECTIONS
-    if kubeconfig is None:
-        try:
-            kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-            return ApiClient(cfg), True
-        except kubernetes.config.ConfigException:
-            pass
-    kubernetes.config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
-    return ApiClient(cfg), False
 
 
 # (verb, resource, HTTP status or 0 when no answer came): one call per request sent
@@ -251,8 +184,8 @@ class Kube:
         being taken). A steady state costs one request per changed child."""
         meta = obj["metadata"]
         key = (obj["kind"], meta["namespace"], meta["name"])
-        owner = _owner_uid(obj)
-        seen = _uid(live) if live is not None and _owner_uid(live) == owner else None
+        owner = owner_uid(obj)
+        seen = object_uid(live) if live is not None and owner_uid(live) == owner else None
         if seen is not None and self._checked.get(key) == (owner, seen):
             try:
                 return self._apply(obj, seen)
@@ -267,7 +200,7 @@ class Kube:
                 if uid is None:
                     raise
             else:
-                self._remember(key, owner, _uid(result))
+                self._remember(key, owner, object_uid(result))
                 return result
         self._remember(key, owner, uid)
         try:
@@ -284,9 +217,9 @@ class Kube:
         current = self.get(obj["kind"], meta["namespace"], meta["name"])
         if current is None:
             return None
-        if _owner_uid(current) != _owner_uid(obj):
-            raise NotOurs(obj["kind"], meta["name"], _owner_uid(current))
-        return _uid(current)
+        if owner_uid(current) != owner_uid(obj):
+            raise NotOurs(obj["kind"], meta["name"], owner_uid(current))
+        return object_uid(current)
 
     def _remember(self, key: tuple[str, str, str], owner: str | None, uid: str | None) -> None:
         if len(self._checked) >= MAX_REMEMBERED_OWNERS:
@@ -335,8 +268,8 @@ class Kube:
                        query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
         except Conflict:
             current = self.get(obj["kind"], meta["namespace"], meta["name"])
-            if current is not None and _owner_uid(current) != _owner_uid(obj):
-                raise NotOurs(obj["kind"], meta["name"], _owner_uid(current)) from None
+            if current is not None and owner_uid(current) != owner_uid(obj):
+                raise NotOurs(obj["kind"], meta["name"], owner_uid(current)) from None
             return False
         return True
 
@@ -347,7 +280,7 @@ class Kube:
         that name made by someone else is not told apart (docs/install.md, "Network and API keys").
         Remembered per process: a steady state sends no request for it."""
         meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"], _owner_uid(obj))
+        key = (meta["namespace"], meta["name"], owner_uid(obj))
         if key in self._secrets:
             return False
         try:

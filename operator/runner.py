@@ -9,8 +9,10 @@ import threading
 import kopf
 from prometheus_client import start_http_server
 
-from rljob_operator.handlers import Controller, build_registry
-from rljob_operator.kube import Kube, load_client
+from rljob_operator.controller import Controller
+from rljob_operator.handlers import build_registry
+from rljob_operator.kube import Kube
+from rljob_operator.kube_login import load_client
 from rljob_operator.metrics import Metrics
 from rljob_operator.policy import Limits
 from rljob_operator.wire import tolerate_deep_objects_in_kopf

@@ -22,7 +22,7 @@ import yaml
 from cluster_helpers import free_port, gpu_room, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
 
-from rljob_operator.handlers import Controller
+from rljob_operator.controller import Controller
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.rbac import RULES
 from rljob_operator.runner import make_controller, serve

@@ -15,8 +15,10 @@ import kopf
 import pytest
 import yaml
 
-from rljob_operator.handlers import CHILD_KINDS, Controller, _normalised, tune_watching
-from rljob_operator.kube import APPLIED_HASH, Kube, stamped, unchanged
+from rljob_operator.applied import APPLIED_HASH, stamped, unchanged
+from rljob_operator.controller import CHILD_KINDS, Controller, _normalised
+from rljob_operator.handlers import tune_watching
+from rljob_operator.kube import Kube
 from rljob_operator.metrics import Metrics
 from rljob_operator.names import LABEL_RLJOB
 

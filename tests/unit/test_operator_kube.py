@@ -65,7 +65,7 @@ def test_apply_sends_utf8_never_surrogate_escapes() -> None:
 
 
 def test_rbac_grants_exactly_the_calls_the_code_makes() -> None:
-    """The verbs each kind needs, from what the operator does with it (kube.py, handlers.py):
+    """The verbs each kind needs, from what the operator does with it (kube.py, controller.py):
     server-side apply (patch, and create for a new object), create-only (Jobs), delete, reads
     (get/list) and kopf's watches. Nothing more: a verb no code uses is a grant to remove."""
     from rljob_operator.rbac import RULES

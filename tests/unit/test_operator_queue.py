@@ -14,8 +14,9 @@ from typing import Any
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from rljob_operator.handlers import Controller, WorkQueue
+from rljob_operator.controller import Controller
 from rljob_operator.metrics import Metrics
+from rljob_operator.workqueue import WorkQueue
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rljob_operator.handlers import merge_patch
+from rljob_operator.controller import merge_patch
 from rljob_operator.reconcile import Decision, Observed, backoff_seconds, decide, set_condition
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from rljob_operator import wire
-from rljob_operator.handlers import WorkQueue
 from rljob_operator.plan import PlanError, plan
 from rljob_operator.spec_reader import MAX_DEPTH
+from rljob_operator.workqueue import WorkQueue
 
 ROOT = Path(__file__).resolve().parents[2]
 
