@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import backward_alone
 
 COMMON = {
     "vocab_size": 512,
@@ -100,17 +101,16 @@ def reference(path: Path, batch: Any, loss: Any) -> tuple[float, dict[str, torch
     from treetrain.engines.base import MicroBatchOutput
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    total = batch.num_loss_tokens()
-    value, logps = 0.0, []
-    for i, seq in enumerate(batch.sequences):
+    logps: list[torch.Tensor] = []
+
+    def output(seq: list[int]) -> MicroBatchOutput:
         ids = torch.tensor(seq)[None]
         logits = model(input_ids=ids).logits[0, :-1].float()
         logp = torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]]
         logps.append(logp.detach())
-        inputs = {k: v[i] for k, v in batch.tensors.items()}
-        mb_loss, _ = loss(MicroBatchOutput(logprobs=logp), batch.loss_mask[i], inputs)
-        (mb_loss / total).backward()
-        value += float(mb_loss.detach()) / total
+        return MicroBatchOutput(logprobs=logp)
+
+    value = backward_alone(batch, loss, output)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return value, grads, logps
 
@@ -148,16 +148,15 @@ def critic_reference(
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     w, b = (head[k].detach().clone().requires_grad_(True) for k in ("weight", "bias"))
-    total = batch.num_loss_tokens()
-    value, values = 0.0, []
-    for i, seq in enumerate(batch.sequences):
+    values: list[torch.Tensor] = []
+
+    def output(seq: list[int]) -> MicroBatchOutput:
         hidden = model.model(input_ids=torch.tensor(seq)[None]).last_hidden_state[0, :-1]
         v = F.linear(hidden, w, b)[:, 0]
         values.append(v.detach())
-        inputs = {k: t[i] for k, t in batch.tensors.items()}
-        mb_loss, _ = loss(MicroBatchOutput(values=v), batch.loss_mask[i], inputs)
-        (mb_loss / total).backward()
-        value += float(mb_loss.detach()) / total
+        return MicroBatchOutput(values=v)
+
+    value = backward_alone(batch, loss, output)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     assert w.grad is not None and b.grad is not None
     grads.update({"value_head.weight": w.grad, "value_head.bias": b.grad})

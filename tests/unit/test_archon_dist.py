@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 import torch
 from helpers import losses_after_resume, make_batch
-from helpers.archon import hf_config, hf_logprobs, hf_reference, spawn_cases
+from helpers.archon import (
+    build_critic,
+    check_logprobs,
+    check_tree_and_flat,
+    hf_config,
+    hf_logprobs,
+    hf_reference,
+    spawn_cases,
+)
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
@@ -21,25 +29,15 @@ TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))
     batch = make_batch(vocab=128)
     tree = TreeTrainingSettings(**TREE)
     engine = build_engine(ModelSettings(path=model_dir), backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
-    ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
-    norms = {}
-    for use_tree in (True, False):
-        stats = engine.forward_backward(batch, loss, tree=use_tree)
-        assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (backend, use_tree, stats.loss, ref_loss)
-        norms[use_tree] = grad_norm(engine.model.parameters(), stages=engine.layout.pp)
-        torch.testing.assert_close(norms[use_tree], ref_norm, rtol=1e-4, atol=0, msg=f"{backend} tree={use_tree}")
-        engine.zero_grad()
-    want = hf_logprobs(model_dir, batch.sequences)
-    for use_tree in (True, False):
-        for got, ref in zip(engine.forward(batch.sequences, tree=use_tree), want, strict=True):
-            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    reference = hf_reference(model_dir, "actor", batch, loss)
+    check_tree_and_flat(engine, batch, loss, reference, engine.model.parameters, backend)
+    check_logprobs(engine, batch.sequences, hf_logprobs(model_dir, batch.sequences))
     if backend == "archon:t2":
         # Hugging Face round trip: export, load in a new engine, same log-probs.
         engine.forward_backward(batch, loss)
@@ -84,20 +82,13 @@ def _next_step(engine: Any, batch: Any, loss: Any) -> tuple[float, float, float]
 
 
 def _check_critic(model_dir: str, backend: str) -> None:
-    from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
-    from treetrain.engines import build_engine
+    from treetrain.config import ValueLossSettings
     from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import ValueLoss
 
     loss = ValueLoss(ValueLossSettings())
     batch = make_batch(vocab=128)
-    critic = build_engine(
-        ModelSettings(path=model_dir),
-        backend,
-        role="critic",
-        tree=TreeTrainingSettings(**TREE),
-        optimizer=OptimizerSettings(),
-    )
+    critic = build_critic(model_dir, backend, TREE)
     results = []
     for use_tree in (True, False):
         stats = critic.forward_backward(batch, loss, tree=use_tree)

@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_batch, spawn_ranks
-from helpers.archon import hf_logprobs, hf_reference, save_tiny
+from helpers import make_batch, merge, save_hf_model, small, spawn_ranks, step_lines, torchrun
+from helpers.archon import (
+    FAMILY_CONFIGS,
+    check_logprobs,
+    check_tree_and_flat,
+    hf_config,
+    hf_logprobs,
+    hf_reference,
+    save_tiny,
+)
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 
@@ -21,7 +29,6 @@ TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 def _check(model_dir: str, backend: str, tmp: Path, *, round_trip: bool) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))
@@ -30,17 +37,10 @@ def _check(model_dir: str, backend: str, tmp: Path, *, round_trip: bool) -> None
     engine = build_engine(ModelSettings(path=model_dir), backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
     experts = engine.model.get_parameter("layers.0.moe.experts.w1")
     assert experts.to_local().shape[0] * engine.layout.ep == 4  # each rank holds E / ep experts
-    ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
-    for use_tree in (True, False):
-        stats = engine.forward_backward(batch, loss, tree=use_tree)
-        assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (backend, use_tree, stats.loss, ref_loss)
-        norm = grad_norm(engine.model.parameters(), stages=engine.layout.pp)
-        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0, msg=f"{backend} tree={use_tree}")
-        engine.zero_grad()
+    reference = hf_reference(model_dir, "actor", batch, loss)
+    check_tree_and_flat(engine, batch, loss, reference, engine.model.parameters, backend)
     want = hf_logprobs(model_dir, batch.sequences)
-    for use_tree in (True, False):
-        for got, ref in zip(engine.forward(batch.sequences, tree=use_tree), want, strict=True):
-            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    check_logprobs(engine, batch.sequences, want)
     # One sequence: the other data rank runs an empty tree and still joins every exchange.
     (alone,) = engine.forward(batch.sequences[:1])
     torch.testing.assert_close(alone, want[0], rtol=0, atol=1e-5)
@@ -97,15 +97,8 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
     """``treetrain train`` under torchrun (2 CPU ranks, gloo) with ``archon:(attn:d2|ffn:e2)``:
     2 tree-packed GRPO steps on a tiny Qwen3-MoE, local rollout sampled from the gathered experts."""
 
-    from helpers import merge, small, step_lines, torchrun
-    from helpers.archon import FAMILY_CONFIGS
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     fields = {**FAMILY_CONFIGS["qwen3_moe"], "vocab_size": 512}  # the parity task's token ids
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields)).save_pretrained(
-        tmp_path / "moe"
-    )
+    save_hf_model(tmp_path / "moe", fields.pop("model_type"), seed=0, **fields)
     backend = "archon:(attn:d2|ffn:e2)"
     raw = merge(small(), {"model": {"path": str(tmp_path / "moe")}, "actor": {"backend": backend}})
     raw["trainer"]["steps"] = 2
@@ -116,7 +109,6 @@ def test_torchrun_trains_a_hybrid_moe_string(tmp_path: Path) -> None:
 
 
 def test_expert_strings_pass_validation_and_bad_sizes_are_refused() -> None:
-    from helpers.archon import hf_config
 
     from treetrain.alloc import parse
     from treetrain.config.backends import check_training_backend

@@ -15,7 +15,16 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_batch
-from helpers.archon import SEQS, hf_config, hf_logprobs, hf_reference, spawn_cases
+from helpers.archon import (
+    SEQS,
+    build_critic,
+    check_logprobs,
+    check_tree_and_flat,
+    hf_config,
+    hf_logprobs,
+    hf_reference,
+    spawn_cases,
+)
 
 from treetrain.engines.archon.model import ModelArgs
 from treetrain.engines.archon.pipeline import head_cost, layer_costs, pad_tree, split_layers, stage_layers
@@ -162,7 +171,6 @@ def _batches() -> list[Any]:
 def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.grads import grad_norm
     from treetrain.rl.losses import PPOLoss
 
     loss = PPOLoss(LossSettings(clip_eps=0.2))
@@ -172,17 +180,10 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
     sizes = []
     for batch in _batches():
         sizes.append(sorted({t.padded_len for t in engine.pack(batch.sequences).trees}))
-        ref_loss, ref_norm = hf_reference(model_dir, "actor", batch, loss)
-        for use_tree in (True, False):
-            stats = engine.forward_backward(batch, loss, tree=use_tree)
-            assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (use_tree, stats.loss, ref_loss)
-            norm = grad_norm(engine.norm_params(), stages=engine.layout.pp)
-            torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0, msg=f"tree={use_tree}")
-            engine.zero_grad()
+        reference = hf_reference(model_dir, "actor", batch, loss)
+        check_tree_and_flat(engine, batch, loss, reference, engine.norm_params, backend)
         want = hf_logprobs(model_dir, batch.sequences)
-        for use_tree in (True, False):
-            for got, ref in zip(engine.forward(batch.sequences, tree=use_tree), want, strict=True):
-                torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        check_logprobs(engine, batch.sequences, want)
     assert sizes[0] != sizes[1] and len(sizes[0]) > 1, sizes  # uneven trees in a step, and between steps
     # The reference role: forward only (no optimizer), the same log-probs.
     ref = build_engine(ModelSettings(path=model_dir), backend, role="ref", tree=tree)
@@ -224,27 +225,14 @@ def _check_actor(model_dir: str, backend: str, tmp: Path) -> None:
 
 
 def _check_critic(model_dir: str, backend: str) -> None:
-    from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, ValueLossSettings
-    from treetrain.engines import build_engine
-    from treetrain.engines.grads import grad_norm
+    from treetrain.config import ValueLossSettings
     from treetrain.rl.losses import ValueLoss
 
     loss = ValueLoss(ValueLossSettings())
-    critic = build_engine(
-        ModelSettings(path=model_dir),
-        backend,
-        role="critic",
-        tree=TreeTrainingSettings(**TREE),
-        optimizer=OptimizerSettings(),
-    )
+    critic = build_critic(model_dir, backend, TREE)
     for batch in _batches():
-        ref_loss, ref_norm = hf_reference(model_dir, "critic", batch, loss)
-        for use_tree in (True, False):
-            stats = critic.forward_backward(batch, loss, tree=use_tree)
-            assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (use_tree, stats.loss, ref_loss)
-            norm = grad_norm(critic.norm_params(), stages=critic.layout.pp)
-            torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0)
-            critic.zero_grad()
+        reference = hf_reference(model_dir, "critic", batch, loss)
+        check_tree_and_flat(critic, batch, loss, reference, critic.norm_params, f"{backend} critic")
         tree_v, flat_v = critic.forward(batch.sequences, tree=True), critic.forward(batch.sequences, tree=False)
         for a, b in zip(tree_v, flat_v, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY_LLAMA, losses_after_resume, make_batch, spawn_ranks
+from helpers import TINY_LLAMA, backward_alone, losses_after_resume, make_batch, spawn_ranks
 
 WORLD = 2
 MODEL = TINY_LLAMA
@@ -29,20 +29,16 @@ def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.
     from treetrain.engines.fsdp import build_model
 
     model = build_model(ModelSettings(**MODEL), role)
-    total = batch.num_loss_tokens()
-    value = 0.0
-    for i, seq in enumerate(batch.sequences):
+
+    def output(seq: list[int]) -> MicroBatchOutput:
         ids = torch.tensor(seq)[None]
         pos = torch.arange(len(seq))[None]
         if role == "critic":
-            out = MicroBatchOutput(values=model(input_ids=ids, position_ids=pos)[0, :-1])
-        else:
-            logits = model(input_ids=ids, position_ids=pos).logits[0, :-1].float()
-            out = MicroBatchOutput(logprobs=torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]])
-        inputs = {k: v[i] for k, v in batch.tensors.items()}
-        mb_loss, _ = loss(out, batch.loss_mask[i], inputs)
-        (mb_loss / total).backward()
-        value += float(mb_loss.detach()) / total
+            return MicroBatchOutput(values=model(input_ids=ids, position_ids=pos)[0, :-1])
+        logits = model(input_ids=ids, position_ids=pos).logits[0, :-1].float()
+        return MicroBatchOutput(logprobs=torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]])
+
+    value = backward_alone(batch, loss, output)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return value, grads
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import ROOT, merge, small, step_lines, torchrun
+from helpers import ROOT, merge, save_hf_model, small, step_lines, torchrun
 
 from treetrain import config as C
 from treetrain.cli import main
@@ -256,17 +256,13 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
 def test_a_checkpoint_of_another_model_is_refused_with_the_fix(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     ckpt = tmp_path / "ckpt"
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(small(ckpt, steps=2)))
     assert main(["train", str(path)]) == 0
     other = tmp_path / "three-layers"
     fields = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 192, "num_attention_heads": 4}
-    AutoModelForCausalLM.from_config(LlamaConfig(**fields, num_hidden_layers=3, num_key_value_heads=2)).save_pretrained(
-        other
-    )
+    save_hf_model(other, "llama", **fields, num_hidden_layers=3, num_key_value_heads=2)
     path.write_text(yaml.safe_dump(merge(small(ckpt, steps=3), {"model": {"path": str(other)}})))
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err

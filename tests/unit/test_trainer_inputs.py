@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import merge, small
+from helpers import merge, save_hf_model, small
 
 from treetrain.cli import main
 
@@ -71,13 +71,10 @@ def _subprocess_exit_2(config: Path, *must: str) -> None:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Hugging Face Llama directory (config + model.safetensors) with the built-in's vocabulary."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = tmp_path_factory.mktemp("model")
     fields = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
-    config = LlamaConfig(**fields, num_hidden_layers=2, num_key_value_heads=2)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
+    return save_hf_model(
+        tmp_path_factory.mktemp("model"), "llama", **fields, num_hidden_layers=2, num_key_value_heads=2
+    )
 
 
 DAMAGE = {

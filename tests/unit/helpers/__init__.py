@@ -83,6 +83,18 @@ def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def save_hf_model(path: Path, model_type: str, *, seed: int | None = None, **fields: Any) -> Path:
+    """A randomly initialised Hugging Face model of ``model_type`` with config ``fields``,
+    saved to the directory ``path`` (weights drawn after ``torch.manual_seed(seed)`` when
+    given)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields)).save_pretrained(path)
+    return path
+
+
 # -- batches -----------------------------------------------------------------------------
 
 
@@ -111,6 +123,21 @@ def make_batch(seed: int = 0, vocab: int = 500) -> Any:
         rets.append(torch.rand(n, generator=g))
     tensors = {"advantages": adv, "old_logprobs": old, "returns": rets}
     return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
+
+
+def backward_alone(batch: Any, loss: Any, output: Callable[[list[int]], Any]) -> float:
+    """Each sequence of ``batch`` alone: ``output(seq)`` (a ``MicroBatchOutput``), its loss, and
+    the backward of that loss over all of the batch's loss tokens (one global mean, as the
+    engines divide). Returns the mean loss."""
+    total = batch.num_loss_tokens()
+    value = 0.0
+    for i, seq in enumerate(batch.sequences):
+        out = output(seq)
+        inputs = {k: v[i] for k, v in batch.tensors.items()}
+        mb_loss, _ = loss(out, batch.loss_mask[i], inputs)
+        (mb_loss / total).backward()
+        value += float(mb_loss.detach()) / total
+    return value
 
 
 def losses_after_resume(engine: Any, batch: Any, loss: Any, ckpt: Path) -> list[float]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from helpers import spawn_ranks
+from helpers import backward_alone, spawn_ranks
 
 _BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
 FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -99,18 +99,15 @@ def hf_reference(model_dir: str, role: str, batch: Any, loss: Any) -> tuple[floa
     from treetrain.engines.fsdp import build_model
 
     model = build_model(model_dir, role)
-    total = batch.num_loss_tokens()
-    value = 0.0
-    for i, seq in enumerate(batch.sequences):
+
+    def output(seq: list[int]) -> MicroBatchOutput:
         ids = torch.tensor(seq)[None]
         if role == "critic":
-            out = MicroBatchOutput(values=model(input_ids=ids, position_ids=torch.arange(len(seq))[None])[0, :-1])
-        else:
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            out = MicroBatchOutput(logprobs=torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]])
-        mb_loss, _ = loss(out, batch.loss_mask[i], {k: v[i] for k, v in batch.tensors.items()})
-        (mb_loss / total).backward()
-        value += float(mb_loss.detach()) / total
+            return MicroBatchOutput(values=model(input_ids=ids, position_ids=torch.arange(len(seq))[None])[0, :-1])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        return MicroBatchOutput(logprobs=torch.log_softmax(logits, -1)[torch.arange(len(seq) - 1), ids[0, 1:]])
+
+    value = backward_alone(batch, loss, output)
     grads = [p.grad.double().norm() for p in model.parameters() if p.grad is not None]
     return value, torch.linalg.vector_norm(torch.stack(grads)).float()
 
@@ -123,14 +120,14 @@ def hf_config(family: str) -> Any:
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-def run_cases(
-    tmp: str,
-    cases: list[tuple[str, str, str]],
-    check_actor: Callable[[str, str, Path], None],
-    check_critic: Callable[[str, str], None],
-) -> None:
+# The two checks a case runs, by role: actor (model dir, backend, scratch dir), critic (model dir, backend).
+Checks = tuple[Callable[[str, str, Path], None], Callable[[str, str], None]]
+
+
+def run_cases(tmp: str, cases: list[tuple[str, str, str]], checks: Checks) -> None:
     """On one rank: each ``(family, backend, role)`` case through the check of its role, the
     family's model saved under ``tmp`` (the spawned ranks' entry point)."""
+    check_actor, check_critic = checks
     for family, backend, role in cases:
         model_dir = str(Path(tmp) / family)
         if role == "critic":
@@ -149,4 +146,47 @@ def spawn_cases(
     (:func:`run_cases`; both checks are module-level functions)."""
     for family in {c[0] for c in cases}:
         save_tiny(family, tmp / family)
-    spawn_ranks(run_cases, 2, str(tmp), cases, check_actor, check_critic)
+    spawn_ranks(run_cases, 2, str(tmp), cases, (check_actor, check_critic))
+
+
+def check_tree_and_flat(
+    engine: Any,
+    batch: Any,
+    loss: Any,
+    want: tuple[float, torch.Tensor],
+    params: Callable[[], Any],
+    label: str,
+) -> None:
+    """Tree-packed and flat, one ``forward_backward`` each: the loss and the gradient norm
+    (over ``params()``, summed over pipeline stages) match ``want`` (:func:`hf_reference`)
+    within 1e-4 relative."""
+    from treetrain.engines.grads import grad_norm
+
+    ref_loss, ref_norm = want
+    for use_tree in (True, False):
+        stats = engine.forward_backward(batch, loss, tree=use_tree)
+        assert abs(stats.loss - ref_loss) <= 1e-4 * abs(ref_loss) + 1e-7, (label, use_tree, stats.loss, ref_loss)
+        norm = grad_norm(params(), stages=engine.layout.pp)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-4, atol=0, msg=f"{label} tree={use_tree}")
+        engine.zero_grad()
+
+
+def check_logprobs(engine: Any, seqs: list[list[int]], want: list[torch.Tensor]) -> None:
+    """Tree-packed and flat, ``engine``'s log-probs of ``seqs`` are ``want`` (1e-5 abs)."""
+    for use_tree in (True, False):
+        for got, ref in zip(engine.forward(seqs, tree=use_tree), want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def build_critic(model_dir: str, backend: str, tree: dict[str, int]) -> Any:
+    """A critic engine on ``model_dir`` (default optimizer), trees of ``tree``'s settings."""
+    from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+    from treetrain.engines import build_engine
+
+    return build_engine(
+        ModelSettings(path=model_dir),
+        backend,
+        role="critic",
+        tree=TreeTrainingSettings(**tree),
+        optimizer=OptimizerSettings(),
+    )
