@@ -23,10 +23,12 @@ import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.applied import stamped, unchanged
+from rljob_operator.conditions import backoff_seconds, set_condition
 from rljob_operator.kube import Conflict, Kube, NotOurs
 from rljob_operator.metrics import Metrics
+from rljob_operator.observe import Observed, controlled_by, owned
 from rljob_operator.policy import Limits
-from rljob_operator.reconcile import Decision, Observed, backoff_seconds, controlled_by, decide, owned, set_condition
+from rljob_operator.reconcile import Decision, decide
 from rljob_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("rljob_operator")

@@ -13,9 +13,10 @@ import yaml
 
 from rljob_operator.api_rules import image_allowed
 from rljob_operator.cli import build_parser, main
+from rljob_operator.observe import Observed
 from rljob_operator.plan import Limits, PlanError, plan
 from rljob_operator.policy import task_module_allowed
-from rljob_operator.reconcile import Observed, decide
+from rljob_operator.reconcile import decide
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())

@@ -14,8 +14,9 @@ import pytest
 import yaml
 
 from rljob_operator.cli import main
+from rljob_operator.observe import Observed
 from rljob_operator.plan import Limits, PlanError, plan
-from rljob_operator.reconcile import Observed, decide
+from rljob_operator.reconcile import decide
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())

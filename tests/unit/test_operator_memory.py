@@ -15,8 +15,9 @@ import pytest
 
 from rljob_operator.cli import main
 from rljob_operator.gpu_memory import GPU_MEMORY_LABEL, smallest_node_gpu_mib
+from rljob_operator.observe import Observed
 from rljob_operator.plan import PlanError, plan
-from rljob_operator.reconcile import Observed, decide
+from rljob_operator.reconcile import decide
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = json.loads((ROOT / "examples/model-configs/qwen3-8b.json").read_text())

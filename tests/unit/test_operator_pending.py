@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from rljob_operator.names import ANNOTATION_ALLOCATION, ANNOTATION_TEMPLATE_HASH
-from rljob_operator.reconcile import Observed, decide
+from rljob_operator.observe import Observed
+from rljob_operator.reconcile import decide
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())

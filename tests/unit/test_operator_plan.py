@@ -645,7 +645,8 @@ def test_one_complete_plan_per_reconcile(monkeypatch: pytest.MonkeyPatch) -> Non
     from datetime import UTC, datetime
 
     import rljob_operator.plan as planning
-    from rljob_operator.reconcile import Observed, decide
+    from rljob_operator.observe import Observed
+    from rljob_operator.reconcile import decide
 
     built: list[planning.Plan] = []
     real = planning.Plan

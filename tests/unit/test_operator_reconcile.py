@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from rljob_operator.conditions import backoff_seconds, set_condition
 from rljob_operator.controller import merge_patch
-from rljob_operator.reconcile import Decision, Observed, backoff_seconds, decide, set_condition
+from rljob_operator.observe import Observed
+from rljob_operator.reconcile import Decision, decide
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
