@@ -51,7 +51,10 @@ class VolumeRef(_Model):
     read_only: bool = Field(default=False, description="Mount read-only.")
 
 
-class ModelSource(_Model):
+# spec.model: where the pods find the weights (a Hugging Face id, or a path on a mounted claim).
+# Not treetrain.engines.source.ModelSource, which resolves a model inside the trainer. The
+# docstring is the CRD's description of spec.model.
+class ModelStorage(_Model):
     """Where the model weights come from."""
 
     path: str = Field(
@@ -217,7 +220,7 @@ class RLJobSpec(_Model):
         )
     )
 
-    model: ModelSource
+    model: ModelStorage
     images: Images = Field(default_factory=Images)
     gpus_per_node: int = Field(default=8, ge=1, le=64, description="GPUs of one node; pods fill whole nodes.")
     gpu_resource_name: str = Field(
