@@ -24,7 +24,7 @@ from netpol_eval import Pod, admitted
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.network import NetworkSettings
-from rljob_operator.plan import Limits
+from rljob_operator.policy import Limits
 from rljob_operator.rbac import RULES
 from rljob_operator.runner import make_controller, serve
 
