@@ -10,6 +10,7 @@ from treetrain.config import TrainConfig, dump_yaml
 
 
 def config_map(layout: Layout, config: TrainConfig) -> dict[str, Any]:
+    """``NAME-config``: ``config`` as the YAML the trainer reads at ``CONFIG_PATH``."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

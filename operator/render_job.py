@@ -39,6 +39,7 @@ from treetrain.config import TrainConfig
 
 
 def trainer(layout: Layout, config: TrainConfig, comp: Component) -> list[dict[str, Any]]:
+    """The headless Service and Indexed Job of trainer component ``comp`` (the actor's gang)."""
     restart = layout.restart
     spec = layout.spec
     service = trainer_service_name(layout.name, comp.role)

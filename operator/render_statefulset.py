@@ -26,6 +26,7 @@ from rljob_operator.servers import multi_node_command, server_argv, server_auth,
 
 
 def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
+    """The headless Service and StatefulSet of rollout engine ``name``."""
     spec = layout.spec
     engine = rollout_engine(spec, name)
     sts = rollout_name(layout.name, name)
