@@ -28,17 +28,3 @@ def _session_scratch_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
             os.environ["TMPDIR"] = previous
         tempfile.tempdir = None
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def megatron_one_process() -> Iterator[None]:
-    """megatron-core needs a process group even for one process: a module that builds
-    ``megatron:d1`` engines in the test process uses this fixture to leave none behind."""
-    yield
-    import torch.distributed as dist
-
-    from treetrain.engines.megatron.parallel import reset_megatron
-
-    reset_megatron()
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from helpers import TRAINER_ENV
 
@@ -20,3 +22,17 @@ def engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TREETRAIN_BLOCK_SIZE", "5")
     monkeypatch.setenv("TREETRAIN_ATTENTION", "bogus")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def megatron_one_process() -> Iterator[None]:
+    """megatron-core needs a process group even for one process: a module that builds
+    ``megatron:d1`` engines in the test process uses this fixture to leave none behind."""
+    yield
+    import torch.distributed as dist
+
+    from treetrain.engines.megatron.parallel import reset_megatron
+
+    reset_megatron()
+    if dist.is_initialized():
+        dist.destroy_process_group()
