@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import subprocess_env
 
 from treetrain import config as C
 from treetrain.rl.collect import episode_cap
@@ -98,7 +99,7 @@ def _start(tmp: Path, raw: dict[str, Any]) -> subprocess.Popen[str]:
     (tmp / "limits_task.py").write_text(TASK_MODULE)
     path = tmp / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_"))}
+    env = subprocess_env(outside_a_pod=True)
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")])
     return subprocess.Popen(
         [sys.executable, "-m", "treetrain.cli", "train", str(path), "--no-compare"],

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import ROOT, merge, save_hf_model, small, step_lines, torchrun
+from helpers import ROOT, merge, save_hf_model, small, step_lines, subprocess_env, torchrun
 
 from treetrain import config as C
 from treetrain.cli import main
@@ -345,7 +345,7 @@ GOLDEN_DEFAULT = [
 def test_the_embedded_default_runs_end_to_end() -> None:
     """`treetrain train` with no arguments, as a newcomer runs it (a fresh process)."""
     # Not in a pod (KUBERNETES_*): the metrics server binds loopback.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_"))}
+    env = subprocess_env(outside_a_pod=True)
     # About 2 minutes on an idle 2-core machine, several times that when the cores are shared:
     # the deadline is for a hang, not a speed test (bench/ measures speed).
     out = subprocess.run(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import merge, save_hf_model, small
+from helpers import merge, save_hf_model, small, subprocess_env
 
 from treetrain.cli import main
 
@@ -50,7 +50,7 @@ def _one_line_exit_2(
 
 def _subprocess_exit_2(config: Path, *must: str) -> None:
     """The same, as a pod runs it: a fresh ``python -m treetrain.cli train`` process."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_"))}
+    env = subprocess_env(outside_a_pod=True)
     done = subprocess.run(
         [sys.executable, "-m", "treetrain.cli", "train", str(config), "--no-compare"],
         capture_output=True,

@@ -40,11 +40,14 @@ def free_port() -> int:
         return port
 
 
-def subprocess_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def subprocess_env(environ: Mapping[str, str] | None = None, *, outside_a_pod: bool = False) -> dict[str, str]:
     """``environ`` (default: this process's) without the trainer's ``TREETRAIN_*`` and
-    ``WORLD_SIZE`` variables, for a child that must not inherit a caller's run."""
+    ``WORLD_SIZE`` variables, for a child that must not inherit a caller's run;
+    ``outside_a_pod``: without ``KUBERNETES_*`` too (the trainer binds its metrics server to
+    loopback when it is not in a pod)."""
     source = os.environ if environ is None else environ
-    return {k: v for k, v in source.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE"))}
+    dropped = ("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_") if outside_a_pod else ("TREETRAIN_", "WORLD_SIZE")
+    return {k: v for k, v in source.items() if not k.startswith(dropped)}
 
 
 # -- trainer configs ---------------------------------------------------------------------
