@@ -220,8 +220,13 @@ def test_the_synchronous_loop_keeps_its_numbers(rollout: dict[str, Any]) -> None
         records = trainer.run().records
     finally:
         trainer.close()
-    got = [(r.step, r.reward, r.loss, r.tree_token_ratio, r.grad_norm) for r in records]
-    assert got == GOLDEN_SMALL
+    # Sampling decides step, reward and tree ratio: exact. The loss (about 0: on-policy GRPO) and the
+    # norm carry float rounding that differs between CPUs' vector kernels (another machine's
+    # AVX-512 moved grad_norm by 7e-8 relative): close, far inside what a changed batch would move.
+    got = [(r.step, r.reward, r.tree_token_ratio) for r in records]
+    assert got == [(step, reward, ratio) for step, reward, _, ratio, _ in GOLDEN_SMALL]
+    for record, (_, _, loss, _, norm) in zip(records, GOLDEN_SMALL, strict=True):
+        assert record.loss == pytest.approx(loss, abs=1e-6) and record.grad_norm == pytest.approx(norm, rel=1e-5)
     assert all("staleness_max" not in r.stats for r in records)
 
 
