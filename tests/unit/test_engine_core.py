@@ -226,7 +226,7 @@ def _max_stats_on_two_ranks() -> None:
 
 @pytest.mark.slow
 def test_max_stats_are_the_batch_maxima_on_every_rank() -> None:
-    from test_engine_dist import spawn_ranks
+    from helpers import spawn_ranks
 
     spawn_ranks(_max_stats_on_two_ranks, 2)
 

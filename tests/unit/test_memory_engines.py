@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from megatron_models import branching_sequences, make_batch, save_model
-from test_engine_dist import spawn_ranks
+from helpers import spawn_ranks
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 TOLERANCE = 0.02

@@ -70,3 +70,15 @@ def test_every_part_of_treetrain_sits_in_a_layer() -> None:
     parts |= {p.stem for p in (ROOT / "treetrain").glob("*.py") if p.stem != "__init__"}
     layered = {name.strip() for layer in _layers_contract() for name in layer.split("|")}
     assert parts == layered
+
+
+def test_every_operator_module_is_layered_and_documented() -> None:
+    """Each module of operator/ is in the operator's layers contract and in docs/operator.md's table
+    (a new module would otherwise escape both)."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["rljob_operator"]]
+    layered = {name.strip() for layer in layers["layers"] for name in layer.split("|")}
+    modules = {p.stem for p in (ROOT / "operator").glob("*.py") if p.stem != "__init__"}
+    assert modules == layered
+    doc = (ROOT / "docs" / "operator.md").read_text()
+    assert [m for m in sorted(modules) if f"`{m}.py`" not in doc] == []
