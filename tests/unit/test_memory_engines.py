@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from megatron_models import branching_sequences, make_batch, save_model
 from helpers import spawn_ranks
+from megatron_models import branching_sequences, make_batch, save_model
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 TOLERANCE = 0.02

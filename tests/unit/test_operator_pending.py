@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import copy
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from datetime import timedelta
 from typing import Any
 
 import pytest
-import yaml
+from helpers.rljobs import NOW, example_rljob
 
 from rljob_operator.names import ANNOTATION_ALLOCATION, ANNOTATION_TEMPLATE_HASH
 from rljob_operator.observe import Observed
 from rljob_operator.reconcile import decide
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
-NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-
 
 def rljob(status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
-    body = copy.deepcopy(EXAMPLE)
-    body["metadata"] = {"name": "demo", "namespace": "ml", "uid": "u", "generation": 2}
-    body["spec"].update(spec)
-    if status is not None:
-        body["status"] = status
-    return body
+    return example_rljob(status, generation=2, **spec)
 
 
 def pod(name: str, component: str, *, restart: int = 0, phase: str = "Running") -> dict[str, Any]:
