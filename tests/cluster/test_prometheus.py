@@ -85,8 +85,10 @@ DEADLINE_S = 90.0
 
 
 @functools.cache
-def _unit_train() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("unit_test_train", ROOT / "tests" / "unit" / "test_train.py")
+def _unit_helpers() -> ModuleType:
+    """tests/unit/helpers, loaded by path: this module also runs alone (tests/cluster only), when
+    pytest has not put tests/unit on sys.path."""
+    spec = importlib.util.spec_from_file_location("unit_helpers", ROOT / "tests" / "unit" / "helpers" / "__init__.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -94,9 +96,9 @@ def _unit_train() -> ModuleType:
 
 
 def trainer_config(*, tree: bool) -> dict[str, Any]:
-    """tests/unit/test_train.py's seconds-long config, with steps enough to outlast the test (it is
+    """The unit tests' seconds-long trainer config, with steps enough to outlast the test (it is
     stopped with SIGTERM once the queries are done) and metrics on a free loopback port."""
-    config: dict[str, Any] = _unit_train().small(
+    config: dict[str, Any] = _unit_helpers().small(
         steps=100000, metrics={"enabled": True, "port": 0, "addr": "127.0.0.1"}, compareFlat=False
     )
     config["actor"]["treeTraining"]["enabled"] = tree
