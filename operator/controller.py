@@ -114,9 +114,11 @@ class Controller:
         # Threads for the passes, and for the requests each pass sends in parallel.
         self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="reconcile")
         self._io = ThreadPoolExecutor(WORKERS * len(CHILD_KINDS), thread_name_prefix="api")
+        self.closed = False
 
     def close(self) -> None:
         """Let the threads go once the operator stops (a Controller serves one operator run)."""
+        self.closed = True
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._io.shutdown(wait=False, cancel_futures=True)
 
@@ -154,6 +156,8 @@ class Controller:
             else:
                 failed = f"the API server answered {exc.status}: {_api_message(exc)}"
         except Exception as exc:  # one line per failure (the traceback at debug level); retried
+            if self.closed:
+                return  # the operator is stopping: a pass cut short by the closed threads is no failure
             failed = _describe_error(exc)
             log.debug("reconciling %s/%s failed", *key, exc_info=True)
         finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from typing import Any
 
 import kopf
 from prometheus_client import start_http_server
@@ -66,4 +67,17 @@ async def _serve_until_fatal(controller: Controller, *, namespaces: list[str], l
     # (not a threading one: kopf would wait for that in a thread that outlives the loop).
     stop = asyncio.Event()
     controller.on_fatal = stop.set
+    asyncio.get_running_loop().set_exception_handler(_quiet_stream_close)
     await serve(controller, namespaces=namespaces, liveness_endpoint=liveness_endpoint, stop_flag=stop)
+
+
+def _quiet_stream_close(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """kopf's watch streams are async generators. One that asyncio.run's final clean-up closes
+    while its HTTP stream is still open fails with "generator didn't stop after athrow()" (seen
+    on SIGTERM): the operator is stopping anyway, so one line, not a traceback in its log."""
+    if "asyncgen" in context:
+        logging.getLogger("rljob_operator").warning(
+            "while stopping: %s (%r)", context.get("message"), context.get("exception")
+        )
+        return
+    loop.default_exception_handler(context)

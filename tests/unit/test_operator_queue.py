@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
@@ -164,3 +165,31 @@ def test_a_child_the_api_server_refuses_is_said_on_the_rljob_with_backoff() -> N
     controller.reconcile_one("ml", "demo")
     (cleared,) = [c for c in kube.rljob["status"]["conditions"] if c["type"] == "ReconcileError"]
     assert cleared["status"] == "False" and kube.applied and ("ml", "demo") not in controller.refusals
+
+
+def test_a_watch_stream_closed_at_shutdown_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """asyncio.run closing kopf's watch generator on SIGTERM: one warning; anything else still
+    reaches asyncio's default handler."""
+    from rljob_operator.runner import _quiet_stream_close
+
+    async def stream() -> Any:
+        yield 1
+
+    loop = asyncio.new_event_loop()
+    seen: list[dict[str, Any]] = []
+    loop.default_exception_handler = seen.append  # type: ignore[method-assign]  # record, do not print
+    try:
+        error = RuntimeError("generator didn't stop after athrow()")
+        with caplog.at_level("WARNING", logger="rljob_operator"):
+            _quiet_stream_close(loop, {"message": "an error occurred during closing of asynchronous generator",
+                                       "exception": error, "asyncgen": stream()})  # fmt: skip
+        assert [r.getMessage() for r in caplog.records] == [
+            "while stopping: an error occurred during closing of asynchronous generator "
+            '(RuntimeError("generator didn\'t stop after athrow()"))'
+        ]
+        assert not any(r.exc_info for r in caplog.records) and seen == []
+        other = {"message": "Task exception was never retrieved", "exception": ValueError("x")}
+        _quiet_stream_close(loop, other)
+        assert seen == [other]
+    finally:
+        loop.close()
