@@ -2,7 +2,7 @@
 and the operator all validate with, cross-section rules (:mod:`.check`), what each engine
 runs (:mod:`.backends`), and reading YAML plus the environment (:mod:`.load`)."""
 
-from treetrain.config.backends import ENGINES, alignment_size, check_training_backend
+from treetrain.config.backends import ENGINES, check_training_backend
 from treetrain.config.defaults import embedded_default
 from treetrain.config.load import (
     ENV_OVERRIDES,
@@ -55,7 +55,6 @@ __all__ = [
     "TreeTrainingSettings",
     "ValueLossSettings",
     "WeightSyncSettings",
-    "alignment_size",
     "check_training_backend",
     "dump_yaml",
     "embedded_default",

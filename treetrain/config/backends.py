@@ -75,8 +75,3 @@ def check_training_backend(backend: str) -> Allocation:
             f"{backend!r} is an inference backend; a trainer needs fsdp:..., megatron:... or archon:..."
         )
     return check_engine_support(allocation)
-
-
-def alignment_size(allocation: Allocation) -> int:
-    """Tokens of a packed tree must split evenly over this many ranks: :attr:`Allocation.alignment`."""
-    return allocation.alignment

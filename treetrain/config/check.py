@@ -15,7 +15,7 @@ from typing import Any
 from treetrain.alloc import Allocation, AllocationError
 from treetrain.config import catalog
 from treetrain.config.algorithms import objective
-from treetrain.config.backends import alignment_size, check_training_backend
+from treetrain.config.backends import check_training_backend
 from treetrain.config.errors import EngineConfigError
 from treetrain.config.schema import (
     BUILTIN_REWARDS,
@@ -97,7 +97,7 @@ def check_actor(s: Sections) -> list[Problem]:
         return []
     tree = s.actor.tree_training
     names = ("blockSize", "t*c" if found.dims.cp > 1 else "t")
-    why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, alignment_size(found), names=names)
+    why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, found.alignment, names=names)
     return [("actor.treeTraining.maxTokensPerMicrobatch", f"{tree.max_tokens_per_mb} {why}")] if why else []
 
 
