@@ -30,6 +30,7 @@ from treetrain.config.schema import (
     TrainerSettings,
     TreeTrainingSettings,
     ValueLossSettings,
+    WandbSettings,
     WeightSyncSettings,
 )
 from treetrain.tree.pack import DEFAULT_BLOCK_SIZE  # re-exported: the one definition lives in the bottom layer
@@ -54,6 +55,7 @@ __all__ = [
     "TrainerSettings",
     "TreeTrainingSettings",
     "ValueLossSettings",
+    "WandbSettings",
     "WeightSyncSettings",
     "check_training_backend",
     "dump_yaml",

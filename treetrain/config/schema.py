@@ -263,14 +263,34 @@ class ValueLossSettings(Section):
     clip_eps: float | None = Field(default=0.2, gt=0, description="Clip range around the old values; null: none.")
 
 
+WandbMode = Literal["offline", "online"]
+
+
+class WandbSettings(Section):
+    """Weights & Biases, through its own client library (``pip install wandb``)."""
+
+    project: str = Field(default="treetrain", min_length=1, description="The W&B project.")
+    mode: WandbMode = Field(
+        default="offline", description="offline: runs written under dir, synced later with `wandb sync`; online."
+    )
+    dir: str | None = Field(default=None, description="Where runs are written; unset: checkpoint.dir.")
+
+
 class MetricsSettings(Section):
-    """The Prometheus endpoint of rank 0."""
+    """Where rank 0 reports each step: the Prometheus endpoint, a JSONL step log and optional sinks."""
 
     enabled: bool = Field(default=True, description="Serve Prometheus metrics (rank 0).")
     port: int = Field(default=9400, ge=0, le=65535, description="Metrics port; 0: any free port.")
     addr: str | None = Field(
         default=None, description="Listen address; unset: all interfaces inside a pod, loopback elsewhere."
     )
+    step_log: bool = Field(
+        default=True, description="Append every step's figures to steps.jsonl in checkpoint.dir (when it is set)."
+    )
+    tensorboard_dir: str | None = Field(
+        default=None, description="Write TensorBoard event files here (needs the tensorboard package); unset: none."
+    )
+    wandb: WandbSettings | None = Field(default=None, description="Log each step to Weights & Biases; unset: none.")
 
 
 # -- datasets, rewards, evaluation, the agent proxy -----------------------------------------
@@ -423,6 +443,19 @@ class TrainerSettings(Section):
         description="Reply length for dataset prompts; the default and ceiling of an agent call's max_tokens.",
     )
     eval: EvalSettings | None = Field(default=None, description="Periodic evaluation; unset: none.")
+    log_samples: int = Field(
+        default=0,
+        ge=0,
+        le=10_000,
+        description="Sampled completions per step written to samples.jsonl in checkpoint.dir (prompt, reply, "
+        "reward, tokens), the first one also printed; 0: none.",
+    )
+    progress_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="During a step, print a progress line (episodes finished, tokens generated) this often.",
+    )
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     rollout: SamplingSettings = Field(default_factory=SamplingSettings)
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
