@@ -9,10 +9,13 @@ tensor.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 TREE_TOKEN_RATIO = "treetrain_tree_token_ratio"
 TOKENS_TOTAL = "treetrain_tokens_total"
@@ -36,8 +39,20 @@ WEIGHT_VERSION = "treetrain_weight_version"
 PROXY_REQUESTS_TOTAL = "treetrain_proxy_requests_total"
 PROXY_SESSIONS_OPEN = "treetrain_proxy_sessions_open"
 PROXY_FRESH_RENDERS_TOTAL = "treetrain_proxy_fresh_renders_total"
+# Served by the proxy's own GET /metrics only (`treetrain proxy`), not by the trainer's registry.
+PROXY_PROMPT_TOKENS_TOTAL = "treetrain_proxy_prompt_tokens_total"
+PROXY_COMPLETION_TOKENS_TOTAL = "treetrain_proxy_completion_tokens_total"
+PROXY_REQUEST_DURATION_SECONDS = "treetrain_proxy_request_duration_seconds"
 REWARD_FAILURES_TOTAL = "treetrain_reward_failures_total"
 EVAL_REWARD = "treetrain_eval_reward"
+# What an RL user watches per step: the policy, the update, the replies, the groups' signal.
+POLICY_ENTROPY = "treetrain_policy_entropy"
+KL = "treetrain_kl"
+CLIP_FRACTION = "treetrain_clip_fraction"
+IMPORTANCE_RATIO = "treetrain_importance_ratio"
+GRAD_NORM = "treetrain_grad_norm"
+RESPONSE_LENGTH_TOKENS = "treetrain_response_length_tokens"
+ZERO_SIGNAL_GROUPS_TOTAL = "treetrain_zero_signal_groups_total"
 
 # Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
 TOKEN_KINDS = ("original", "tree", "padded")
@@ -51,6 +66,8 @@ DROP_REASONS = ("filtered", "failed")
 FRESH_REASONS = ("edited", "template")
 # Label values of REWARD_FAILURES_TOTAL{reason=...}: the reward function raised, or ran too long.
 REWARD_FAILURE_REASONS = ("error", "timeout")
+# Replies range from a few tokens (tiny test tasks) to tens of thousands (long reasoning).
+RESPONSE_LENGTH_BUCKETS = tuple(float(2**k) for k in range(2, 16))  # 4 ... 32768
 # Staleness of a trained sample, in steps: 0 in synchronous runs, at most maxStaleness otherwise.
 STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0)
 # Step times range from well under a second (tiny CPU runs) to minutes (large models).
@@ -81,6 +98,13 @@ NAMES = (
     PROXY_FRESH_RENDERS_TOTAL,
     REWARD_FAILURES_TOTAL,
     EVAL_REWARD,
+    POLICY_ENTROPY,
+    KL,
+    CLIP_FRACTION,
+    IMPORTANCE_RATIO,
+    GRAD_NORM,
+    RESPONSE_LENGTH_TOKENS,
+    ZERO_SIGNAL_GROUPS_TOTAL,
 )
 
 
@@ -113,6 +137,17 @@ class StepFigures:
     dropped_failed: int = 0
     resubmitted: int = 0
     weight_version: int = 0
+    # The policy and its update, per response token of the step (None: not measured this step;
+    # kl needs a reference model). The ratio is the importance ratio policy / proximal policy.
+    entropy: float | None = None
+    kl: float | None = None
+    clip_fraction: float | None = None
+    ratio_mean: float | None = None
+    ratio_max: float | None = None
+    grad_norm: float | None = None
+    # Per trained sample: its reply's tokens; and the step's groups whose rewards were all equal.
+    response_lengths: tuple[int, ...] = ()
+    zero_signal_groups: int = 0
 
     # Both count original (unpacked) tokens: what the step trained, however well it packed.
     @property
@@ -122,6 +157,26 @@ class StepFigures:
     @property
     def step_tokens_per_second(self) -> float:
         return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class OptionalGauge(Collector):
+    """A gauge without labels that has no sample until it is first set: a figure some runs
+    never measure (KL without a reference model) is absent, not a misleading 0. Its family
+    (help and type) is listed from the start, like a labelled gauge with no child yet."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation)
+        if self.value is not None:
+            family.add_metric([], self.value)
+        yield family
 
 
 class TrainerMetrics:
@@ -223,6 +278,38 @@ class TrainerMetrics:
             registry=r,
         )
         self.eval_reward = Gauge(EVAL_REWARD, "Mean reward of the last evaluation (trainer.eval).", registry=r)
+        self.entropy = OptionalGauge(
+            POLICY_ENTROPY,
+            "Mean entropy (nats) of the policy's next-token distributions over the last step's response tokens.",
+            r,
+        )
+        self.kl = OptionalGauge(
+            KL,
+            "KL(policy || reference) per response token of the last step (k3 estimate); absent without a "
+            "reference model.",
+            r,
+        )
+        self.clip_fraction = OptionalGauge(
+            CLIP_FRACTION, "Share of the last step's response tokens whose update the PPO clip cut off.", r
+        )
+        self.importance_ratio = Gauge(
+            IMPORTANCE_RATIO,
+            "Importance ratio policy / proximal policy over the last step's response tokens (stat: mean or max).",
+            ["stat"],
+            registry=r,
+        )
+        self.grad_norm = OptionalGauge(GRAD_NORM, "Gradient norm of the last step, before clipping.", r)
+        self.response_length = Histogram(
+            RESPONSE_LENGTH_TOKENS,
+            "Tokens of each trained sample's reply (one observation per trained sample).",
+            buckets=RESPONSE_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.zero_signal_groups = Counter(
+            ZERO_SIGNAL_GROUPS_TOTAL.removesuffix("_total"),
+            "Trained groups whose rewards were all equal: no group-relative learning signal.",
+            registry=r,
+        )
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind=kind)  # show every series from the first scrape on
         for reason in CAP_REASONS:
@@ -262,6 +349,20 @@ class TrainerMetrics:
         self.groups_dropped.labels(reason="failed").inc(fig.dropped_failed)
         self.resubmitted.inc(fig.resubmitted)
         self.weight_version.set(fig.weight_version)
+        for gauge, value in (
+            (self.entropy, fig.entropy),
+            (self.kl, fig.kl),
+            (self.clip_fraction, fig.clip_fraction),
+            (self.grad_norm, fig.grad_norm),
+        ):
+            if value is not None:
+                gauge.set(value)
+        if fig.ratio_mean is not None and fig.ratio_max is not None:
+            self.importance_ratio.labels(stat="mean").set(fig.ratio_mean)
+            self.importance_ratio.labels(stat="max").set(fig.ratio_max)
+        for length in fig.response_lengths:
+            self.response_length.observe(length)
+        self.zero_signal_groups.inc(fig.zero_signal_groups)
 
     def observe_agents(self, proxy: dict[str, Any] | None, reward_failures: dict[str, int] | None) -> None:
         """Export the proxy's counters (``ProxyStats.snapshot()``) and the reward runner's failures:

@@ -2,7 +2,8 @@
 
 Samples with the model itself (local rollout, on a GPU when there is one) or, with
 ``--rollout URL``, with SGLang/vLLM servers. Agents point an OpenAI client at it
-(docs/agents.md); the trainer runs the same server in-process.
+(docs/agents.md); the trainer runs the same server in-process. Alone, it writes one line per
+request on stderr; ``GET /metrics`` serves its counters.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ examples:
   treetrain proxy --model builtin:smollm2-135m                 # local sampling, port 8000
   treetrain proxy --model /models/qwen3 --rollout http://vllm:8000 --port 9000
   curl -s -X POST localhost:8000/rl/sessions -d '{}'            # {"id": "sess-...", "api_key": "sk-sess-..."}
+  curl -s localhost:8000/metrics                                # Prometheus text: requests, tokens, durations
 """
 
 
@@ -26,7 +28,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "proxy",
         help="serve an OpenAI-compatible endpoint that records RL sessions",
-        description="Serve /v1/chat/completions with RL sessions until SIGINT/SIGTERM. Exit 2 for bad arguments.",
+        description="Serve /v1/chat/completions, /v1/responses and /v1/completions with RL sessions until "
+        "SIGINT/SIGTERM; one log line per request on stderr, Prometheus metrics at /metrics. Exit 2 for bad arguments.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -78,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
     except (EngineConfigError, RolloutError, FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     limits = ProxyLimits(max_sessions=args.max_sessions, max_tokens=args.max_tokens)
-    server = ProxyServer(generate=generate, renderer=ChatRenderer(tokenizer), model_name=args.model, limits=limits)
+    server = ProxyServer(
+        generate=generate, renderer=ChatRenderer(tokenizer), model_name=args.model, limits=limits, request_log=_say
+    )
     try:
         port = server.start(args.host, args.port)
     except OSError as err:

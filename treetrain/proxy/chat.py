@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from treetrain.metrics import FRESH_REASONS as FRESH_REASONS  # the label values: one tuple, in metrics
+from treetrain.proxy.messages import ChatError as ChatError
+from treetrain.proxy.messages import match_key, render_form
+from treetrain.proxy.messages import normalize_messages as normalize_messages
 from treetrain.proxy.tools import ParsedReply, from_parsed_message, parse_reply
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 # End-of-turn tokens of the model families the engines serve; the sampler stops on those in the vocabulary.
 # (Their generation configs stop on the end-of-text token as well: Qwen2.5 on <|endoftext|>, Llama 3.1 on
 # <|end_of_text|>.)
@@ -30,12 +32,11 @@ END_OF_TURN_TOKENS = (
     "<|end_of_text|>",
 )
 _SENTINEL = "\u2063treetrain-sentinel\u2063"
+_PROBE_TOOL, _PROBE_ARG = "treetrain_probe_tool", "treetrain_probe_arg"
+# The call syntax the reply parser reads (Hermes/Qwen), for templates that write no tool calls (SmolLM2).
+HERMES_CALL_OPENING = ('<tool_call>\n{"name": "', '", "arguments":')
 # Enough sampled tokens to hold an end-of-turn marker even when it tokenizes as plain text.
 _TAIL_TOKENS = 32
-
-
-class ChatError(ValueError):
-    """A request the renderer cannot take (the server answers 400); the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -75,136 +76,6 @@ class Reply:
         return out
 
 
-# ---------------------------------------------------------------- normalization
-
-
-def _text(value: Any, where: str, *, nullable: bool) -> str | None:
-    """A content field as one string: parts of type text are joined; null only where allowed."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        if nullable:
-            return None
-        raise ChatError(f"{where}: must be a string or a list of text parts, not null")
-    if isinstance(value, list):
-        texts: list[str] = []
-        for j, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ChatError(f'{where}[{j}]: only {{"type": "text", "text": "..."}} parts are supported')
-            texts.append(part["text"])
-        return "".join(texts)
-    raise ChatError(f"{where}: must be a string or a list of text parts (got {type(value).__name__})")
-
-
-def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise ChatError(f"{where}: must be a list of tool calls")
-    calls: list[dict[str, Any]] = []
-    for j, call in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(call, dict):
-            raise ChatError(f"{at}: must be an object")
-        if call.get("type", "function") != "function":
-            raise ChatError(f"{at}.type: only 'function' tool calls are supported")
-        call_id = call.get("id")
-        if not isinstance(call_id, str) or not call_id:
-            raise ChatError(f"{at}.id: must be a non-empty string")
-        function = call.get("function")
-        if not isinstance(function, dict):
-            raise ChatError(f"{at}.function: must be an object with name and arguments")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise ChatError(f"{at}.function.name: must be a non-empty string")
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, dict):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        if not isinstance(arguments, str):
-            raise ChatError(f"{at}.function.arguments: must be a JSON string")
-        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
-    return calls
-
-
-def _normalize(message: Any, where: str) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise ChatError(f"{where}: must be an object with role and content")
-    role = message.get("role")
-    if role not in ROLES:
-        raise ChatError(f"{where}.role: must be one of {', '.join(ROLES)} (got {role!r})")
-    out: dict[str, Any] = {"role": role}
-    if role == "assistant":
-        calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls")
-        content = _text(message.get("content"), f"{where}.content", nullable=True)
-        out["content"] = content or None  # "" and null are the same empty reply
-        if calls:
-            out["tool_calls"] = calls
-        reasoning = message.get("reasoning_content", message.get("reasoning"))
-        if reasoning is not None:
-            if not isinstance(reasoning, str):
-                raise ChatError(f"{where}.reasoning_content: must be a string")
-            if reasoning:
-                out["reasoning"] = reasoning
-        return out
-    if "content" not in message:
-        raise ChatError(f"{where}.content: is required for role {role}")
-    out["content"] = _text(message["content"], f"{where}.content", nullable=False)
-    if role == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise ChatError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
-        out["tool_call_id"] = call_id
-    name = message.get("name")
-    if isinstance(name, str) and name:
-        out["name"] = name
-    return out
-
-
-def normalize_messages(messages: Any) -> tuple[dict[str, Any], ...]:
-    """Validated messages reduced to what rendering reads, so an SDK's echo of a reply compares equal to it."""
-    if not isinstance(messages, list):
-        raise ChatError("messages: must be a list of message objects")
-    if not messages:
-        raise ChatError("messages: must not be empty")
-    return tuple(_normalize(message, f"messages[{i}]") for i, message in enumerate(messages))
-
-
-def _match_key(message: dict[str, Any]) -> dict[str, Any]:
-    """What must agree for a message to be a turn's reply: reasoning may be dropped by SDKs (the sampled tokens
-    hold it anyway)."""
-    return {k: v for k, v in message.items() if k != "reasoning"}
-
-
-def _render_form(message: dict[str, Any]) -> dict[str, Any]:
-    """The message as Hugging Face chat templates expect it: content a string, arguments a mapping."""
-    out: dict[str, Any] = {"role": "system" if message["role"] == "developer" else message["role"]}
-    out["content"] = message.get("content") or ""
-    for key in ("tool_call_id", "name"):
-        if key in message:
-            out[key] = message[key]
-    if "reasoning" in message:
-        out["reasoning_content"] = message["reasoning"]
-    if "tool_calls" in message:
-        calls = []
-        for call in message["tool_calls"]:
-            arguments: Any = call["function"]["arguments"]
-            try:
-                parsed = json.loads(arguments)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                arguments = parsed
-            calls.append(
-                {
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["function"]["name"], "arguments": arguments},
-                }
-            )
-        out["tool_calls"] = calls
-    return out
-
-
 # ---------------------------------------------------------------- the renderer
 
 
@@ -220,6 +91,7 @@ class ChatRenderer:
         self._end_of_turn = self._find_end_of_turn()
         self._generation_prompt = self._find_generation_prompt()
         self.stop_token_ids: tuple[int, ...] = self._find_stop_ids()
+        self._call_opening = self._find_call_opening()
 
     # -- template access
 
@@ -230,7 +102,7 @@ class ChatRenderer:
             raise ChatError("messages: this model has no chat template; use /v1/completions with a text prompt")
         try:
             text = self.tokenizer.apply_chat_template(
-                [_render_form(m) for m in messages], tools=tools, add_generation_prompt=generation, tokenize=False
+                [render_form(m) for m in messages], tools=tools, add_generation_prompt=generation, tokenize=False
             )
         except Exception as err:  # jinja raises TemplateError and whatever the template's own checks raise
             raise _TemplateRefused(str(err)) from None
@@ -274,6 +146,35 @@ class ChatRenderer:
             if marks_end and token_id not in ids and len(token) > 1:
                 ids.append(token_id)
         return tuple(ids)
+
+    def _find_call_opening(self) -> tuple[str, str]:
+        """(what starts a reply that is one tool call, up to the function's name; what follows the name up to the
+        arguments), read off the template by rendering a probe call; HERMES_CALL_OPENING when it writes none."""
+        schema = {"type": "object", "properties": {_PROBE_ARG: {"type": "integer"}}}
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": schema}}
+        function = {"name": _PROBE_TOOL, "arguments": json.dumps({_PROBE_ARG: 1})}
+        call = {"id": "call_probe", "type": "function", "function": function}
+        user = {"role": "user", "content": "hi"}
+        reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+        try:
+            prompt = self._render((user,), [tool], generation=True)
+            whole = self._render((user, reply), [tool], generation=False)
+        except (ChatError, _TemplateRefused):
+            return HERMES_CALL_OPENING
+        head, found, rest = (whole[len(prompt) :] if whole.startswith(prompt) else "").partition(_PROBE_TOOL)
+        if not found or not head.strip():
+            return HERMES_CALL_OPENING
+        arg = rest.find(_PROBE_ARG)
+        brace = rest.rfind("{", 0, arg) if arg >= 0 else -1
+        # No trailing space: the model writes it with the next token, as it was trained to (" {").
+        return head, (rest[:brace] if brace >= 0 else "").rstrip(" ")
+
+    def call_opening(self, name: str | None) -> tuple[str, list[int]]:
+        """(text, ids) a forced tool call starts the reply with: the opening up to the function's name, and for
+        a named tool its name and what comes before the arguments. The ids are prompt: the model samples on."""
+        head, middle = self._call_opening
+        text = head if name is None else head + name + middle
+        return text, self._encode(text)
 
     # -- prompts
 
@@ -326,7 +227,7 @@ class ChatRenderer:
         for index in range(len(history) - 1, -1, -1):
             turn = history[index]
             n = len(turn.messages)
-            if len(normalized) <= n + 1 or _match_key(normalized[n]) != _match_key(turn.reply):
+            if len(normalized) <= n + 1 or match_key(normalized[n]) != match_key(turn.reply):
                 continue
             if normalized[:n] != turn.messages:
                 continue
