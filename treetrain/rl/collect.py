@@ -20,6 +20,7 @@ from treetrain.config.algorithms import Objective, objective
 from treetrain.engines.base import TrainBatch
 from treetrain.rl.advantages import advantages, informative_groups, overlong_penalty
 from treetrain.rl.limits import TaskClock
+from treetrain.rl.progress import RolloutProgress
 from treetrain.rl.rollout import Generation, SamplingParams
 from treetrain.rl.task import Task, TaskError
 
@@ -78,6 +79,7 @@ def collect_rollouts(
     *,
     clock: TaskClock | None = None,
     log: Callable[[str], None] | None = None,
+    progress: RolloutProgress | None = None,
 ) -> Rollouts:
     """Play ``groupsPerStep`` groups of ``groupSize`` episodes to the end, all active episodes
     of a turn in one ``generate`` call; every turn becomes one sample holding the whole
@@ -93,12 +95,21 @@ def collect_rollouts(
     t = settings
     groups = [g for g in range(t.groups_per_step) for _ in range(t.group_size)]
     first = play_episodes(
-        task, generate, t, step, groups, turn_seed=lambda turn: turn_seed_of(t.seed, step, turn), clock=clock
+        task,
+        generate,
+        t,
+        step,
+        groups,
+        turn_seed=lambda turn: turn_seed_of(t.seed, step, turn),
+        clock=clock,
+        progress=progress,
     )
     if not objective(t).dynamic_sampling:
         return first
 
     def play(ids: Sequence[int], rnd: int) -> Rollouts:
+        if progress is not None:
+            progress.add_episodes(len(ids) * t.group_size)
         return play_episodes(
             task,
             generate,
@@ -108,6 +119,7 @@ def collect_rollouts(
             # Round 0 is the step's first groups, seeded as without dynamic sampling.
             turn_seed=lambda turn: turn_seed_of(t.seed, step, turn, rnd),
             clock=clock,
+            progress=progress,
         )
 
     return fill_informative(first, play, t.groups_per_step, step, log=log)
@@ -184,12 +196,14 @@ def play_episodes(
     turn_seed: Callable[[int], int],
     clock: TaskClock | None = None,
     version: Callable[[], int] | None = None,
+    progress: RolloutProgress | None = None,
 ) -> Rollouts:
     """Play one episode per entry of ``groups`` (its group id; the episode's seed is
     ``seed_of(seed, step, group)``) turn by turn, all active episodes of a turn in one
     ``generate`` call seeded ``turn_seed(turn)``: what :func:`collect_rollouts` does for a whole
     step, and the asynchronous controller for one group. ``version`` gives the weight version
-    a generation without per-token versions was sampled with (read before the call)."""
+    a generation without per-token versions was sampled with (read before the call);
+    ``progress`` counts the tokens generated and the episodes finished."""
     t = settings
     clock = clock or TaskClock(t.task, t.episode_timeout_seconds)
     params = sampling_params(task, t)
@@ -228,6 +242,8 @@ def play_episodes(
     while active:
         now = version() if version is not None else 0
         gens = generate([history[i] for i in active], params, turn_seed(turn))
+        if progress is not None:
+            progress.generated(sum(len(g.tokens) for g in gens))
         still = []
         for i, gen in zip(active, gens, strict=True):
             started[i] = min(started[i], min(gen.versions, default=now))
@@ -250,6 +266,8 @@ def play_episodes(
             elif nxt is not None:
                 history[i] = tokens + list(nxt)
                 still.append(i)
+        if progress is not None:
+            progress.episodes_finished(len(active) - len(still))
         active = still
         turn += 1
     rewards = [total / max(k, 1) for total, k in zip(totals, turns, strict=True)]

@@ -5,7 +5,7 @@ after the last step when ``trainer.compareFlat`` is set (the embedded default do
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +25,30 @@ class Comparison:
         return self.flat_seconds / self.tree_seconds if self.tree_seconds > 0 else 0.0
 
 
-def compare_tree_vs_flat(engine: Engine, loss: Loss, batches: Sequence[TrainBatch], *, rounds: int) -> Comparison:
+def compare_tree_vs_flat(
+    engine: Engine,
+    loss: Loss,
+    batches: Sequence[TrainBatch],
+    *,
+    rounds: int,
+    stop: Callable[[], bool] = lambda: False,
+) -> Comparison | None:
     """One burn-in pass per mode (the flat micro-batches have shapes training never ran:
     without it their first allocations inflate the speedup by a third on a CPU), then
     ``rounds`` measured rounds that alternate the modes, so a load change on a shared machine
-    hits both; the best round of each counts."""
+    hits both; the best round of each counts. ``stop`` is asked before every pass (every rank
+    asks at the same points); None when it said stop."""
     times = {True: float("inf"), False: float("inf")}
     for tree in (True, False):
+        if stop():
+            return None
         engine.forward_backward(batches[0], loss, tree=tree)
         engine.zero_grad()
     tree_tokens = original_tokens = 0
     for _ in range(rounds):
         for tree in (True, False):
+            if stop():
+                return None
             _sync()
             start = time.perf_counter()
             stats = [engine.forward_backward(batch, loss, tree=tree) for batch in batches]

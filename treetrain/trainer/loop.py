@@ -41,11 +41,15 @@ from treetrain.rl.collect import Rollouts, collect_rollouts, make_batch, play_ep
 from treetrain.rl.controller import RolloutController
 from treetrain.rl.limits import TaskClock, TaskInterrupted
 from treetrain.rl.losses import PPOLoss, ValueLoss
+from treetrain.rl.progress import RolloutProgress, RolloutStopped
 from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
 from treetrain.rl.task import Task, TaskError
 from treetrain.trainer.checkpoints import Checkpoints
 from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
+from treetrain.trainer.samples import SampleLog
 from treetrain.trainer.sources import Sources, read_data_state, write_data_state
+from treetrain.trainer.step_log import StepSinks, check_sinks, health_parts, record_figures, rollout_signals
+from treetrain.trainer.ticker import Ticker
 from treetrain.trainer.weight_sync import WeightSync
 
 
@@ -65,6 +69,12 @@ class StepRecord:
     # trainer waited in take(), and the time no group was playing.
     trainer_idle_seconds: float = 0.0
     rollout_idle_seconds: float = 0.0
+    # The step's replies and groups: each trained sample's reply tokens, the groups trained, those
+    # whose rewards were all equal (no learning signal), and those dynamic sampling dropped.
+    response_lengths: tuple[int, ...] = ()
+    groups: int = 0
+    zero_signal_groups: int = 0
+    dropped_groups: int = 0
 
     @property
     def train_tokens_per_second(self) -> float:
@@ -85,9 +95,12 @@ class Summary:
     comparison: Comparison | None = None
     metrics_port: int | None = None
     interrupted: bool = False  # SIGTERM: stopped early after a checkpoint
+    finished_before: bool = False  # the checkpoint already held trainer.steps: nothing trained
 
 
 class Trainer:
+    sinks: StepSinks | None = None  # rank 0's step log, TensorBoard, W&B (opened by run())
+
     def __init__(
         self,
         cfg: TrainConfig,
@@ -121,14 +134,21 @@ class Trainer:
         # minutes of weight loading.
         self.sources = Sources(cfg, lambda: builtin.load_tokenizer(cfg.model.path), self.log)
         self.task: Task = self.sources.task
+        root = str(self.checkpoints.root) if self.checkpoints.root is not None else None
+        self.samples = SampleLog(t.log_samples, root, lambda: builtin.load_tokenizer(cfg.model.path), self.log)
         # The task's own code runs under a per-episode budget, and SIGTERM stops it (treetrain.rl.limits).
         self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
+        # What the step's rollout has done (the ticker prints it), and SIGTERM's stop request.
+        self.progress = RolloutProgress()
+        self._sigterm = False
         tree = cfg.actor.tree_training
         # The Allocation config validation parsed (check_training_backend caches it): parsed once per pod.
         actor = check_training_backend(cfg.actor.backend)
         self.actor: Engine = build_engine(cfg.model, actor, role="actor", tree=tree, optimizer=t.optimizer)
         self.layout = self.actor.layout
         self.main = self.layout.is_main
+        self.progress.should_stop = self._stop_agreed
+        self.ticker = Ticker(self._log, t.progress_seconds, self.progress, t.steps)
         vocab = self.actor.vocab_size
         if self.task.vocab_size > vocab:
             raise EngineConfigError(
@@ -172,7 +192,7 @@ class Trainer:
     def _rollout_client(self) -> RolloutClient | None:
         r, servers = self.cfg.trainer.rollout, self.cfg.rollout.servers
         if r.kind == "local" or (r.kind == "auto" and not servers):
-            return LocalRollout(self.actor.sampling_model(), self.layout.device)
+            return LocalRollout(self.actor.sampling_model(), self.layout.device, progress=self.progress)
         if not self.main:
             return None  # only rank 0 talks to the servers; the others get its results
         # A server's own kind wins; trainer.rollout.kind names the ones left to auto.
@@ -207,6 +227,8 @@ class Trainer:
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, step: int) -> None:
         """Every rank writes its part into a partial directory; rank 0 publishes it whole."""
+        began = time.perf_counter()
+        self.ticker.enter("checkpoint")
         if self.main:
             self.checkpoints.clear_partial(step)
         self._barrier()
@@ -223,7 +245,8 @@ class Trainer:
             write_data_state(path, self.sources.data_state(step))  # a resumed run trains the next rows
         self._barrier()
         if self.main:
-            self.checkpoints.commit(step)
+            final = self.checkpoints.commit(step)
+            self.log(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - began:.1f}s")
         self._barrier()
 
     def _restore(self) -> int:
@@ -287,9 +310,18 @@ class Trainer:
     def _generate(self, prompts: list[list[int]], params: SamplingParams, seed: int) -> list[Generation]:
         out: list[Any] = [None]
         if self.client is not None and (self.main or not self.remote):
-            out = [self.client.generate(prompts, params, seed=seed)]
+            try:
+                out = [self.client.generate(prompts, params, seed=seed)]
+            except Exception as err:
+                # Local rollout stops on every rank at the same token; any other error is rank 0's
+                # to tell, so no rank waits in the broadcast for a result that never comes.
+                if self.layout.world_size == 1 or (isinstance(err, RolloutStopped) and not self.remote):
+                    raise
+                out = [err]
         if self.layout.world_size > 1:
             dist.broadcast_object_list(out, src=0)  # every rank trains on rank 0's rollouts
+        if isinstance(out[0], BaseException):
+            raise out[0]
         gens: list[Generation] = out[0]
         return gens
 
@@ -302,7 +334,13 @@ class Trainer:
             rollouts: Rollouts = self._on_rank0(lambda: self.sources.play_agent_step(step))
         else:
             rollouts = collect_rollouts(
-                self.task, self._generate, self.cfg.trainer, step, clock=self.task_clock, log=self.log
+                self.task,
+                self._generate,
+                self.cfg.trainer,
+                step,
+                clock=self.task_clock,
+                log=self.log,
+                progress=self.progress,
             )
         if self.client is not None:
             self.client.forget()  # local rollout's KV cache: training needs the memory
@@ -363,6 +401,9 @@ class Trainer:
                 out = [err]
             finally:
                 self.sources.release()
+            if self.progress.stopped or self.progress.stop_requested:
+                # The agents' calls failed because generation stopped (SIGTERM): not their fault.
+                out = [RolloutStopped("the agents' runs were stopped by SIGTERM")]
         else:
             self.sources.follow()
         if self.layout.world_size > 1:
@@ -458,7 +499,12 @@ class Trainer:
 
     def train_step(self, step: int) -> StepRecord:
         t0 = time.perf_counter()
+        t = self.cfg.trainer
+        self.ticker.begin_step(step + 1, t.groups_per_step * t.group_size)
         rollouts = self.collect(step)
+        if self.main:
+            self.samples.write(step + 1, rollouts)
+        self.ticker.enter("training")
         if not rollouts.samples:
             raise TaskError(f"step {step + 1}: no sample to train (every agent run failed; see the lines above)")
         tc = time.perf_counter()
@@ -481,6 +527,7 @@ class Trainer:
             stats = self.actor.forward_backward(batch, self.loss)
             norm = self.actor.step()
         t2 = time.perf_counter()
+        self.ticker.enter("weight sync")
         self.weights.sync(step + 1)
         if self.controller is not None:
             self.controller.set_version(step + 1)  # after the sync: admission never runs ahead of the servers
@@ -489,7 +536,13 @@ class Trainer:
             extra["staleness_max"] = float(max(rollout["staleness"]))
             extra["staleness_mean"] = sum(rollout["staleness"]) / len(rollout["staleness"])
         self.batches = [*self.batches, batch][-self.cfg.trainer.compare_batches :]
-        eval_reward = self._evaluate(step + 1)
+        self.ticker.enter("evaluation")
+        try:
+            eval_reward = self._evaluate(step + 1)
+        except TaskInterrupted:
+            # SIGTERM during the evaluation: the step is trained and kept; its evaluation is not.
+            eval_reward = None
+            self.log(f"step {step + 1}: evaluation skipped (SIGTERM)")
         if eval_reward is not None:
             extra["eval_reward"] = eval_reward
         record = StepRecord(
@@ -505,6 +558,8 @@ class Trainer:
             stats={**stats.stats, **extra},
             trainer_idle_seconds=rollout.get("trainer_idle_seconds", 0.0),
             rollout_idle_seconds=rollout.get("rollout_idle_seconds", 0.0),
+            dropped_groups=rollout.get("dropped_filtered", rollouts.dropped_groups),
+            **rollout_signals(rollouts),
         )
         if self.main:
             self.metrics.observe_step(
@@ -522,6 +577,14 @@ class Trainer:
                     capped_turns=rollouts.capped_turns,
                     capped_tokens=rollouts.capped_tokens,
                     weight_version=step + 1,
+                    entropy=stats.stats.get("entropy"),
+                    kl=stats.stats.get("kl"),
+                    clip_fraction=stats.stats.get("clip_fraction"),
+                    ratio_mean=stats.stats.get("ratio"),
+                    ratio_max=stats.stats.get("ratio_max"),
+                    grad_norm=norm,
+                    response_lengths=record.response_lengths,
+                    zero_signal_groups=record.zero_signal_groups,
                     **rollout,
                 )
             )
@@ -545,6 +608,17 @@ class Trainer:
     def run(self) -> Summary:
         t = self.cfg.trainer
         start = self._restore()
+        if start >= t.steps:
+            # A finished run started again (an example run twice, a pod restarted after the end).
+            self.log(
+                f"nothing to train: {self.checkpoints.latest()} holds step {start} and trainer.steps is {t.steps}, "
+                "so this run is finished; fix: raise trainer.steps (--steps) to train on, or give checkpoint.dir "
+                "(--checkpoint-dir) a new directory to start over"
+            )
+            return Summary(records=[], seconds=0.0, start_step=start, finished_before=True)
+        check_sinks(t.metrics)  # on every rank: a sink's missing package stops them all, before any step
+        if self.main:
+            self.sinks = StepSinks.open(t.metrics, self.cfg.checkpoint.dir, start=start, log=self.log)
         if start > 0:
             self.weights.sync(start)  # the servers still serve the initial weights: send the resumed ones
         self._serve_metrics()
@@ -552,14 +626,9 @@ class Trainer:
         self._start_rollout(start)
         begin = time.perf_counter()
         records = []
-        tree = self.cfg.actor.tree_training
-        self.log(
-            f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, "
-            f"{t.groups_per_step} groups x {t.group_size} samples, {self.cfg.actor.backend}, "
-            f"tree packing {'on' if tree.enabled else 'off'} "
-            f"(max {tree.max_tokens_per_mb} tokens/micro-batch, attention {self.actor.attention}), "
-            f"rollout {self.client.kind if self.client else 'remote'}"
-        )
+        self.log(self.header())
+        if self.main:
+            self.ticker.start()
         interrupted = False
         last_saved = start  # the step the newest checkpoint holds (resumed from, or written)
         with self._stop_on_sigterm():
@@ -567,20 +636,24 @@ class Trainer:
                 try:
                     rec = self.train_step(step)
                 except TaskInterrupted as err:
-                    # SIGTERM while the task's code hung: that step's rollouts are dropped. The
-                    # weights are still those of the last step trained (rollouts do not change
-                    # them), so keep that one, on one process; ranks of a gang may be at
-                    # different points of the rollout, where a save's barriers would deadlock.
-                    if self.checkpoints.root is not None and step > last_saved and self.layout.world_size == 1:
+                    # SIGTERM during the rollout: that step's rollouts are dropped. The weights are
+                    # still those of the last step trained (rollouts do not change them), so keep
+                    # that one. Ranks that stopped generating together (local rollout checks the
+                    # stop at the same token on every rank) can save; ranks of a gang stopped by
+                    # the task's own code may be at different points, where a save's barriers
+                    # would deadlock, so only one process saves then.
+                    agreed = isinstance(err, RolloutStopped) or self.layout.world_size == 1
+                    if self.checkpoints.root is not None and step > last_saved and agreed:
                         self.save(step)
-                    self.log(
-                        f"SIGTERM: step {step + 1} abandoned during its rollout ({err}); "
-                        f"checkpoint: {self.checkpoints.latest()}"
-                    )
+                    self.log(f"SIGTERM: step {step + 1} abandoned during its rollout ({err}); {self._kept()}")
                     interrupted = True
                     break
+                finally:
+                    self.ticker.end_step()
                 records.append(rec)
                 self.log(format_record(rec, t.steps))
+                if self.sinks is not None:
+                    self.sinks.write(rec.step, record_figures(rec))
                 saved = False
                 if self.checkpoints.root is not None and (
                     rec.step % self.cfg.checkpoint.interval_steps == 0 or rec.step == t.steps
@@ -594,7 +667,7 @@ class Trainer:
                     self._stop_rollout()
                     if self.checkpoints.root is not None and not saved:
                         self.save(rec.step)
-                    self.log(f"SIGTERM: stopped after step {rec.step} (checkpoint: {self.checkpoints.latest()})")
+                    self.log(f"SIGTERM: stopped after step {rec.step}; {self._kept()}")
                     interrupted = True
                     break
         self._stop_rollout()
@@ -606,16 +679,39 @@ class Trainer:
             interrupted=interrupted,
         )
 
+    def header(self) -> str:
+        """The run's first line: what trains on what, the step's shape, the layout."""
+        t, tree = self.cfg.trainer, self.cfg.actor.tree_training
+        return (
+            f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, "
+            f"{t.groups_per_step} groups x {t.group_size} samples, up to {self.task.max_new_tokens} new tokens "
+            f"per reply, {self.cfg.actor.backend} ({self.cfg.model.dtype}), tree packing "
+            f"{'on' if tree.enabled else 'off'} (max {tree.max_tokens_per_mb} tokens/micro-batch, attention "
+            f"{self.actor.attention}), rollout {self.client.kind if self.client else 'remote'}"
+        )
+
+    def _kept(self) -> str:
+        """What a stopped run leaves to resume from, for its last line."""
+        if self.checkpoints.root is None:
+            return "no checkpoint.dir set, so nothing is kept"
+        latest = self.checkpoints.latest()
+        return f"checkpoint: {latest} (resume with --resume)" if latest else "no step finished yet: nothing to keep"
+
     @contextlib.contextmanager
     def _stop_on_sigterm(self) -> Iterator[None]:
-        """Turn SIGTERM into a request to stop after the current step (main thread only)."""
+        """Turn SIGTERM into a request to stop (main thread only): generation in progress stops
+        within a few tokens (the step is abandoned, the last one trained kept), a step in training
+        finishes and is saved. Said at once, by the ticker."""
         self._sigterm = False
         if threading.current_thread() is not threading.main_thread():
             yield
             return
 
         def handler(signum: int, frame: Any) -> None:
+            if not self._sigterm:
+                self.ticker.say(self._sigterm_line())
             self._sigterm = True
+            self.progress.request_stop()  # local generation stops at its next check
             self.task_clock.stop_soon()  # a task call that hangs is stopped, not waited for
             if self.controller is not None:
                 self.controller.halt()  # groups of later steps wait for the resumed run
@@ -626,18 +722,43 @@ class Trainer:
         finally:
             signal.signal(signal.SIGTERM, previous)
 
+    def _sigterm_line(self) -> str:
+        step, phase = self.ticker.step, self.ticker.phase
+        if step is None:
+            return "SIGTERM received: stopping"
+        if phase in ("rollout", "evaluation"):
+            return f"SIGTERM received: stopping now; step {step}'s {phase} is abandoned, the last step trained is kept"
+        return f"SIGTERM received: stopping after step {step} ({phase} in progress), which is kept"
+
     def _stop_requested(self) -> bool:
-        """Every rank must stop at the same step: any rank's SIGTERM stops them all."""
+        """Every rank must stop at the same point: any rank's SIGTERM stops them all."""
         flag = torch.tensor([1.0 if self._sigterm else 0.0], device=self.layout.device)
         if self.layout.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())  # host sync: once per step
+        return bool(flag.item())  # host sync: once per step, and every few tokens of local rollout
 
-    def compare(self) -> Comparison:
-        """The last batches trained tree vs flat (``trainer.compareFlat``)."""
-        return compare_tree_vs_flat(self.actor, self.loss, self.batches, rounds=self.cfg.trainer.compare_rounds)
+    def _stop_agreed(self) -> bool:
+        """Local generation's stop check: SIGTERM on any rank, seen by every rank at once."""
+        if self.layout.world_size == 1:
+            return self._sigterm
+        return self._stop_requested()
+
+    def compare(self) -> Comparison | None:
+        """The last batches trained tree vs flat (``trainer.compareFlat``); None when SIGTERM
+        skipped it (training is over by then: nothing is lost)."""
+        with self._stop_on_sigterm():
+            return compare_tree_vs_flat(
+                self.actor,
+                self.loss,
+                self.batches,
+                rounds=self.cfg.trainer.compare_rounds,
+                stop=self._stop_requested,
+            )
 
     def close(self) -> None:
+        if self.sinks is not None:
+            self.sinks.close()
+        self.ticker.close()
         self._stop_rollout()
         self.sources.close()
         self.metrics.close()
@@ -666,7 +787,7 @@ def read_rollout_state(path: Path) -> dict[str, Any] | None:
 def format_record(rec: StepRecord, total: int) -> str:
     width = len(str(total))
     return (
-        f"step {rec.step:>{width}}/{total} | reward {rec.reward:.3f} | loss {rec.loss:+.4f} | "
+        f"step {rec.step:>{width}}/{total} | reward {rec.reward:.3f} | loss {rec.loss:+.4f} | {health_parts(rec)} | "
         f"tree_token_ratio {rec.tree_token_ratio:.3f} | train {rec.train_tokens_per_second:,.0f} tokens/s | "
         f"step {rec.seconds:.2f}s (rollout {rec.rollout_seconds:.2f}s, train {rec.train_seconds:.2f}s)"
         + (
@@ -690,24 +811,23 @@ def format_record(rec: StepRecord, total: int) -> str:
 
 
 def format_summary(summary: Summary) -> list[str]:
-    lines = []
-    if summary.records:
-        last = summary.records[-1]
-        lines.append(
-            f"done: {len(summary.records)} steps in {summary.seconds:.1f}s; last step reward {last.reward:.3f}, "
-            f"tree_token_ratio {last.tree_token_ratio:.3f}"
-        )
-    c = summary.comparison
-    if c is not None:
-        which = "the last batch" if c.batches == 1 else f"the last {c.batches} batches"
-        lines.append(
-            f"tree_token_ratio {c.tree_token_ratio:.3f} over {which} ({1 / c.tree_token_ratio:.2f}x fewer tokens)"
-        )
-        lines.append(
-            f"speedup tree vs flat on {which} (forward+backward): {c.speedup:.2f}x "
-            f"(flat {c.flat_seconds:.2f}s, tree {c.tree_seconds:.2f}s)"
-        )
-    return lines
+    """The ``done:`` line, printed as soon as the last step is trained."""
+    if not summary.records:
+        return []
+    last = summary.records[-1]
+    return [
+        f"done: {len(summary.records)} steps in {summary.seconds:.1f}s; last step reward {last.reward:.3f}, "
+        f"tree_token_ratio {last.tree_token_ratio:.3f}"
+    ]
+
+
+def format_comparison(c: Comparison) -> list[str]:
+    which = "the last batch" if c.batches == 1 else f"the last {c.batches} batches"
+    return [
+        f"tree_token_ratio {c.tree_token_ratio:.3f} over {which} ({1 / c.tree_token_ratio:.2f}x fewer tokens)",
+        f"speedup tree vs flat on {which} (forward+backward): {c.speedup:.2f}x "
+        f"(flat {c.flat_seconds:.2f}s, tree {c.tree_seconds:.2f}s)",
+    ]
 
 
 def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool = False, out: Any = None) -> Summary:
@@ -721,10 +841,20 @@ def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool
     trainer = Trainer(cfg, launch=launch, resume=resume, log=log)
     try:
         summary = trainer.run()
-        if cfg.trainer.compare_flat and trainer.batches and not summary.interrupted:
-            summary.comparison = trainer.compare()
         for line in format_summary(summary):
             trainer.log(line)
+        if cfg.trainer.compare_flat and trainer.batches and not summary.interrupted:
+            n = len(trainer.batches)
+            trainer.log(
+                f"timing tree vs flat packing on the last {n} batch{'es' if n > 1 else ''} "
+                f"({cfg.trainer.compare_rounds} rounds; training is done and saved: --no-compare or "
+                "trainer.compareFlat: false skips this, SIGTERM stops it)"
+            )
+            summary.comparison = trainer.compare()
+            if summary.comparison is None:
+                trainer.log("comparison skipped (SIGTERM)")
+            for line in format_comparison(summary.comparison) if summary.comparison else []:
+                trainer.log(line)
         return summary
     finally:
         trainer.close()

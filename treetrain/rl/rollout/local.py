@@ -7,8 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treetrain.rl.progress import RolloutProgress
 from treetrain.rl.rollout.base import Generation, RolloutClient, SamplingParams
 from treetrain.rl.rollout.gate import WeightGate
+
+# Decoded tokens between two stop checks: a SIGTERM stops generation within this many tokens.
+# With several ranks each check is a one-element all-reduce, so not every token.
+STOP_CHECK_TOKENS = 8
 
 
 class LocalRollout(RolloutClient):
@@ -18,13 +23,18 @@ class LocalRollout(RolloutClient):
     Between the turns of one batch it keeps the KV cache it ended with: when every prompt of the
     next call extends a sequence it holds (history + reply + the next user turn), only the new
     tokens are read. Identical prompts (the samples of a group) are read once. Any in-place change
-    of the weights (an optimizer step, a checkpoint load) or :meth:`forget` drops the cache."""
+    of the weights (an optimizer step, a checkpoint load) or :meth:`forget` drops the cache.
+
+    ``progress`` counts the tokens as they are decoded and is asked every ``STOP_CHECK_TOKENS``
+    tokens whether to stop (:class:`treetrain.rl.progress.RolloutStopped`); every rank of a
+    sharded model asks at the same tokens."""
 
     kind = "local"
 
-    def __init__(self, model: Any, device: Any) -> None:
+    def __init__(self, model: Any, device: Any, progress: RolloutProgress | None = None) -> None:
         self.model = model
         self.device = device
+        self.progress = progress
         # transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`.
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -45,6 +55,8 @@ class LocalRollout(RolloutClient):
         self.model.eval()
         try:
             rows = list(prompts)
+            if self.progress is not None:
+                self.progress.check()  # a long prefill is not started after a stop
             with torch.no_grad():
                 start = (self._extend(kept, rows) if kept is not None else None) or self._prefill(rows)
                 gens, self._kept = self._decode(rows, start, params, gen)
@@ -130,6 +142,10 @@ class LocalRollout(RolloutClient):
                 lps[r].append(lp)
                 if t in params.stop_token_ids:
                     done[r], reasons[r] = True, "stop"
+            if self.progress is not None:
+                self.progress.decoded(sum(live))
+                if step % STOP_CHECK_TOKENS == STOP_CHECK_TOKENS - 1:
+                    self.progress.check()  # the same step on every rank: they stop together
             if all(done) or step == params.max_new_tokens - 1:
                 break
             # Finished rows keep decoding (the batch keeps one shape), but their tokens are
