@@ -21,7 +21,7 @@ from rljob_operator.gpu_memory import MemoryReport, check_memory
 from rljob_operator.layout import Layout, trainer_config
 from rljob_operator.names import rollout_name, trainer_job_name
 from rljob_operator.policy import Limits, check_admission, weight_sync_problems
-from rljob_operator.spec_reader import Reading, read
+from rljob_operator.spec_reader import Reading, names_a_field, read
 from treetrain.config import ConfigError, TrainConfig, validate
 
 
@@ -80,6 +80,7 @@ def admit(
             config,
             gpu_memory_gib=layout.spec.gpu_memory_gib,
             node_gpu_mib=node_gpu_mib,
+            backend_paths={name: path for name, path, _ in reading.engines.rollouts},
         )
         errors += [FieldError(path, message) for path, message in memory.problems]
     if errors or layout is None or config is None or memory is None:
@@ -93,8 +94,10 @@ def _add_new(errors: list[FieldError], more: list[FieldError]) -> None:
     errors += [e for e in more if e.path not in seen]
 
 
-# Where each section of the trainer config comes from in an RLJob.
+# Where each part of the trainer config comes from in an RLJob: the longest prefix wins.
 _CONFIG_SOURCES = {
+    "rollout.weightSync.masterPort": "spec.weightSync.port",
+    "rollout.weightSync": "spec.weightSync",
     "trainer": "spec.trainerConfig",
     "actor": "spec.actor",
     "critic": "spec.critic",
@@ -103,16 +106,33 @@ _CONFIG_SOURCES = {
     "checkpoint": "spec.checkpoint",
     "rollout": "spec.rollout",
 }
+# Trainer config fields with no RLJob field of their own: what the operator writes them from.
+_WRITTEN_FROM = {
+    "checkpoint.dir": "from spec.checkpoint.volume (mounted at /checkpoints)",
+    "rollout.servers": "from spec.rollout and spec.additionalRollouts",
+    "rollout.weightSync.masterAddress": "as trainer rank 0's address",
+}
 
 
 def rljob_path(config_path: str) -> str:
     """``trainer.optimizer.lr`` -> ``spec.trainerConfig.optimizer.lr``: a trainer config path
     as the RLJob field the user wrote."""
-    head, dot, rest = config_path.partition(".")
-    base = _CONFIG_SOURCES.get(head)
-    if base is None:
-        return config_path or "spec.trainerConfig"
-    return base + dot + rest
+    for prefix in sorted(_CONFIG_SOURCES, key=len, reverse=True):
+        if config_path == prefix or config_path.startswith((prefix + ".", prefix + "[")):
+            return _CONFIG_SOURCES[prefix] + config_path[len(prefix) :]
+    return config_path or "spec.trainerConfig"
+
+
+def suggestion(config_path: str) -> str:
+    """The trainer's "did you mean X?" for an RLJob: X's RLJob field when it has one, else who
+    sets X (an RLJob cannot name it)."""
+    field = rljob_path(config_path)
+    if names_a_field(field):
+        return f"did you mean {field}?"
+    written = next((how for path, how in _WRITTEN_FROM.items() if config_path.startswith(path)), None)
+    if written is not None:
+        return f"the trainer config's {config_path} is the operator's to write, {written}"
+    return f"the trainer config's {config_path} has no RLJob field (the trainer's default applies)"
 
 
 def _check_trainer_config(layout: Layout | None, reading: Reading) -> tuple[TrainConfig | None, list[FieldError]]:
@@ -132,7 +152,7 @@ def _check_trainer_config(layout: Layout | None, reading: Reading) -> tuple[Trai
 def _config_problem(problem: tuple[str, str]) -> FieldError:
     path, message = problem
     # The message is the trainer's own; a field it suggests is named as the RLJob field too.
-    message = re.sub(r"did you mean (\S+)\?", lambda m: f"did you mean {rljob_path(m.group(1))}?", message)
+    message = re.sub(r"did you mean (\S+)\?", lambda m: suggestion(m.group(1)), message)
     return FieldError(rljob_path(path), message)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import posixpath
 import re
 from collections.abc import Iterable, Mapping
+from decimal import Decimal
 from typing import Any
 
 from rljob_operator.servers import SAFE_SERVER_FLAGS
@@ -92,6 +93,34 @@ def extended_resource_problem(value: str) -> str | None:
     if value.startswith("requests.") or qualified_name_problem(value):
         return "is not a valid extended resource name: domain/name, e.g. nvidia.com/gpu"
     return None
+
+
+# The scale of each quantity suffix (resource.Quantity): binary, decimal; "1e3" is an exponent.
+_QUANTITY_SCALE = {
+    **{s: Decimal(1024) ** (i + 1) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+    **{s: Decimal(10) ** e for s, e in (("n", -9), ("u", -6), ("m", -3), ("", 0), ("k", 3), ("M", 6), ("G", 9),
+                                        ("T", 12), ("P", 15), ("E", 18))},
+}  # fmt: skip
+
+
+def quantity_value(text: str) -> Decimal:
+    """A quantity the RLJob model admitted (``500m``, ``64Gi``, ``1e3``) as a number."""
+    number = re.match(r"[0-9]*\.?[0-9]*", text)
+    digits = number.group() if number else ""
+    suffix = text[len(digits) :]
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        return Decimal(text)
+    return Decimal(digits) * _QUANTITY_SCALE[suffix]
+
+
+def resource_problems(path: str, requests: Mapping[str, str], limits: Mapping[str, str]) -> list[Problem]:
+    """A container's request above its limit, which the API refuses."""
+    found = []
+    for key, request in requests.items():
+        if key in limits and quantity_value(request) > quantity_value(limits[key]):
+            found.append((f"{path}.requests.{key}", f"{request} is more than the limit {limits[key]}; the API refuses "
+                                                    f"a request above its limit: lower it, or raise {path}.limits.{key}"))  # fmt: skip
+    return found
 
 
 def toleration_problems(path: str, toleration: Mapping[str, Any]) -> list[Problem]:

@@ -26,11 +26,17 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="validate an RLJob manifest and show its GPUs, pods and nodes per component",
         description="Validate an RLJob manifest (a file or - for stdin) and print, per component: backend, GPUs, "
-        "pods, GPUs per pod, nodes. Exit 2 listing every problem when it is invalid.",
+        "pods, GPUs per pod, nodes; how weights and checkpoints move; what the trainer runs (episodes, algorithm, "
+        "steps, dtype, recompute). Exit 2 listing every problem when it is invalid.",
     )
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--json", action="store_true", help='print {"components": {...}, "total_gpus": N}')
+    p.add_argument("--json", action="store_true", help='print {"components": {...}, "total_gpus": N, ...}')
     p.add_argument("--objects", action="store_true", help="also print the child objects the operator would create")
+    p.add_argument(
+        "--config",
+        action="store_true",
+        help="also print the trainer config the operator writes (the ConfigMap NAME-config's config.yaml)",
+    )
     p.add_argument(
         "--model-config",
         metavar="CONFIG_JSON",
@@ -157,6 +163,14 @@ def _plan(args: argparse.Namespace) -> int:
     except (OSError, ValueError, yaml.YAMLError) as err:
         print(f"rljob plan: error: cannot read {args.file}: {err}", file=sys.stderr)
         return 2
+    if _is_trainer_config(manifest):
+        print(
+            f"rljob plan: error: {args.file} is a trainer config (treetrain train {args.file}), not an RLJob "
+            "manifest; an RLJob carries its model.path as spec.model.path and its trainer: section as "
+            "spec.trainerConfig (examples/rljob.yaml)",
+            file=sys.stderr,
+        )
+        return 2
     model_config = None
     if args.model_config is not None:
         from treetrain.alloc.memory import MemoryInputError, read_config
@@ -173,17 +187,26 @@ def _plan(args: argparse.Namespace) -> int:
         for problem in err.errors:
             print(f"  - {problem}", file=sys.stderr)
         return 2
+    from treetrain.config import dump_yaml
+
     summary: dict[str, Any] = {
         **result.summary(),
         "weight_sync": result.weight_sync(),
         "checkpoints": result.checkpoints(),
+        "trainer": result.trainer(),
     }
     if (endpoint := result.openai_endpoint()) is not None:
         summary["openai_endpoint"] = endpoint
-    if result.memory is not None and not result.memory.skipped:  # a model config was given
+    if not result.memory.skipped:  # a model config was given
         summary["memory"] = result.memory.summary()
     if args.objects:
         summary["objects"] = result.objects
+    config_text = dump_yaml(result.config)
+    if args.config:
+        summary["config"] = yaml.safe_load(config_text)
+    # No GPU size, but an estimate above every common GPU: said, not refused.
+    for warning in result.memory.warnings:
+        print(f"rljob plan: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
         return 0
@@ -197,14 +220,41 @@ def _plan(args: argparse.Namespace) -> int:
         )
     for line in _notes(summary["weight_sync"], summary["checkpoints"]):
         print(line)
-    if result.memory is not None:
-        for line in result.memory.lines():
-            print(line)
+    print(_trainer_line(summary["trainer"]))
+    for line in result.memory.lines():
+        print(line)
     if "openai_endpoint" in summary:
         print(f"agent endpoint: {summary['openai_endpoint']} (trainer rank 0; the RLJob's own pods reach it)")
+    if args.config:
+        print(f"trainer config (ConfigMap {result.name}-config, config.yaml):")
+        print(config_text, end="")
     if args.objects:
         print(yaml.safe_dump_all(result.objects, sort_keys=False))
     return 0
+
+
+def _is_trainer_config(document: Any) -> bool:
+    """A ``treetrain train`` config (model, actor, trainer, ... at the top) given as an RLJob."""
+    from treetrain.config import TrainConfig
+
+    if not isinstance(document, dict) or not document or {"apiVersion", "kind", "spec"} & set(document):
+        return False
+    sections = {info.alias or name for name, info in TrainConfig.model_fields.items()}
+    rollout = document.get("rollout")
+    # A bare RLJob spec has these keys too, but its rollout names a backend.
+    return set(document) <= sections and not (isinstance(rollout, dict) and "backend" in rollout)
+
+
+def _trainer_line(t: Mapping[str, Any]) -> str:
+    """What the trainer pods run, in one line."""
+    episodes = t["episodes"] + (f" on {t['dataset']}" if t["dataset"] and t["episodes"].startswith("agent") else "")
+    reward = f", reward {t['reward']}" if t["reward"] else ""
+    recompute = "gradient checkpointing" if t["gradient_checkpointing"] else "no gradient checkpointing"
+    return (
+        f"trainer: {episodes}{reward}, {t['algorithm']}, {t['steps']} steps of {t['groups_per_step']} groups x "
+        f"{t['group_size']} samples; {t['dtype']}, {recompute}, micro-batches of {t['max_tokens_per_microbatch']} "
+        "tokens"
+    )
 
 
 def _notes(sync: dict[str, Any], checkpoints: dict[str, Any]) -> list[str]:

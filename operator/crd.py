@@ -180,7 +180,7 @@ def reference_table() -> str:
         required = node.get("required", [])
         for name, sub in node.get("properties", {}).items():
             field = f"{path}.{name}"
-            kind = sub.get("type", "")
+            kind = sub.get("type", "quantity" if sub.get("x-kubernetes-int-or-string") else "")
             if kind == "array":
                 kind = f"list of {sub.get('items', {}).get('type', 'object')}"
             checks = [
@@ -189,7 +189,9 @@ def reference_table() -> str:
                 if bound in sub
             ]
             checks += [f"{k} {sub[k]}" for k in ("minLength", "maxLength", "minItems", "maxItems") if k in sub]
-            if "pattern" in sub:
+            if kind == "quantity":
+                checks.append("a whole number or a quantity string (`500m`, `64Gi`)")
+            elif "pattern" in sub:
                 checks.append(f"pattern `{sub['pattern']}`")
             if "enum" in sub:
                 checks.append("one of " + ", ".join(f"`{e}`" for e in sub["enum"]))

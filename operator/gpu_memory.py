@@ -6,10 +6,17 @@ label of the nodes the pods can land on, see :func:`smallest_node_gpu_mib`).
 Colocated trainer engines (actor, critic, ref in the same pods) add up: their parameters,
 gradients and optimizer state live side by side, while their activations come and go in
 turn (the trainer runs them one after the other), so the largest activation counts once.
+
+The plan uses the trainer config the operator writes: ``model.dtype`` (``spec.model.dtype``,
+``auto`` written out), ``model.gradientCheckpointing`` and the micro-batch cap. A refusal names
+what would fit: the same layout with recompute or bfloat16, a layout of the same engine, or a
+smaller micro-batch cap, each as the RLJob field to set. Without a GPU size nothing is refused,
+but an estimate above every common GPU is a warning.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,6 +38,10 @@ if TYPE_CHECKING:
 # NVIDIA GPU feature discovery's node label: the memory of one GPU, in MiB.
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 SERVER_NOTE = "weights only; the server fills the rest with its KV cache (its memory fraction) and CUDA graphs"
+# GPU sizes (GiB) of common training GPUs (A100/H100 80, RTX PRO 6000 96, H200 141, B200 192):
+# without spec.gpuMemoryGiB, an estimate above all of them is a warning.
+COMMON_GPU_GIB = (80, 96, 141, 192)
+TOKENS_FIELD = "spec.actor.treeTraining.maxTokensPerMicrobatch"
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class MemoryReport:
     limit_source: str = ""
     problems: list[tuple[str, str]] = field(default_factory=list)  # (field path, message)
     skipped: str = ""  # why nothing was checked
+    warnings: list[str] = field(default_factory=list)  # no GPU size, but larger than any common GPU
 
     def summary(self) -> dict[str, Any]:
         if self.skipped:
@@ -61,6 +73,7 @@ class MemoryReport:
             "checked": self.limit_bytes is not None,
             "gpu_bytes": self.limit_bytes,
             "gpu_memory_from": self.limit_source,
+            "warnings": self.warnings,
             "components": {
                 r.component: {"backend": r.backend, "per_gpu_bytes": r.per_gpu, **r.parts, "note": r.note}
                 for r in self.rows
@@ -70,12 +83,13 @@ class MemoryReport:
     def lines(self) -> list[str]:
         if self.skipped:
             return [f"memory: not checked ({self.skipped})"]
-        size = (
-            f"{self.limit_bytes / GIB:.1f} GiB per GPU ({self.limit_source})"
-            if self.limit_bytes is not None
-            else "GPU memory unknown (set spec.gpuMemoryGiB): not checked"
-        )
-        out = [f"memory per GPU, {size}:"]
+        if self.limit_bytes is None:
+            head = "memory per GPU, GPU memory unknown (set spec.gpuMemoryGiB): not checked:"
+        elif self.problems:
+            head = f"memory per GPU: does not fit the {self.limit_bytes / GIB:.1f} GiB GPUs ({self.limit_source}):"
+        else:
+            head = f"memory per GPU: fits the {self.limit_bytes / GIB:.1f} GiB GPUs ({self.limit_source}):"
+        out = [head]
         for r in self.rows:
             parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in r.parts.items())
             out.append(f"  {r.component:<16}{r.backend:<40}{r.per_gpu / GIB:>8.1f} GiB  ({parts}){r.note}")
@@ -103,8 +117,10 @@ def check_memory(
     *,
     gpu_memory_gib: float | None,
     node_gpu_mib: int | None,
+    backend_paths: Mapping[str, str] | None = None,
 ) -> MemoryReport:
-    """Every component's memory per GPU and the problems of those that do not fit."""
+    """Every component's memory per GPU and the problems of those that do not fit;
+    ``backend_paths``: each rollout component's backend field (``spec.additionalRollouts[1].backend``)."""
     if model_config is None:
         return MemoryReport(skipped="no model config: give spec.model.config (or rljob plan --model-config)")
     if config is None:
@@ -116,28 +132,42 @@ def check_memory(
     limit, source = _limit(gpu_memory_gib, node_gpu_mib)
     rows: list[Row] = []
     problems: list[tuple[str, str]] = []
+    warnings: list[str] = []
+    largest = max(COMMON_GPU_GIB) * GIB
     trainer = _trainer(shape, components, config)
     if trainer is not None:
         row, plans = trainer
         rows.append(row)
         if limit is not None and row.per_gpu > limit:
-            problems.append(("spec.actor.backend", _refusal(shape, row, plans, config, limit, source)))
+            hints = "; ".join(_hints(shape, plans, config, limit))
+            problems.append(
+                ("spec.actor.backend", f"{_need(row)} but the GPUs have {limit / GIB:.1f} GiB ({source}); {hints}")
+            )
+        elif limit is None and row.per_gpu > largest:
+            hints = "; ".join(_hints(shape, plans, config, largest))
+            common = ", ".join(map(str, COMMON_GPU_GIB))
+            warnings.append(
+                f"{_need(row)}, more than any common GPU ({common} GiB), not checked without spec.gpuMemoryGiB; "
+                f"to fit {largest / GIB:.0f} GiB: {hints}"
+            )
     for name, c in components.items():
         if c.allocation.kind != "inference":
             continue
         weights = server_weight_bytes(shape, c.allocation)
         rows.append(Row(name, str(c.allocation), weights, {"weights": weights}, f"  {SERVER_NOTE}"))
-        if limit is not None and weights > limit:
+        if weights > (limit if limit is not None else largest):
             more = c.allocation.dims.tp * 2
-            path = "spec.rollout.backend" if name == "rollout" else f"spec.additionalRollouts[{name}].backend"
-            problems.append(
-                (
-                    path,
-                    f"{c.allocation}: the weights alone take {weights / GIB:.1f} GiB per GPU, more than the "
-                    f"{limit / GIB:.1f} GiB of {source}; split them over more GPUs, e.g. t{more}",
-                )
+            path = (backend_paths or {}).get(name, "spec.rollout.backend")
+            gpus = f"the {limit / GIB:.1f} GiB of {source}" if limit is not None else "any common GPU's memory"
+            message = (
+                f"{c.allocation}: the weights alone take {weights / GIB:.1f} GiB per GPU, more than {gpus}; split "
+                f"them over more GPUs, e.g. t{more}"
             )
-    return MemoryReport(rows=rows, limit_bytes=limit, limit_source=source, problems=problems)
+            if limit is not None:
+                problems.append((path, message))
+            else:
+                warnings.append(f"{path}: {message}")
+    return MemoryReport(rows=rows, limit_bytes=limit, limit_source=source, problems=problems, warnings=warnings)
 
 
 def _limit(gpu_memory_gib: float | None, node_gpu_mib: int | None) -> tuple[int | None, str]:
@@ -149,51 +179,100 @@ def _limit(gpu_memory_gib: float | None, node_gpu_mib: int | None) -> tuple[int 
 
 
 def _settings(config: TrainConfig) -> dict[str, Any]:
+    dtype: str = config.model.dtype
     return {
         "tokens": config.actor.tree_training.max_tokens_per_mb,
-        "dtype": config.model.dtype,
+        # The operator writes auto out (layout.trainer_dtype); a config read elsewhere may still say it.
+        "dtype": "bfloat16" if dtype == "auto" else dtype,
         "recompute": config.model.gradient_checkpointing,
     }
 
 
+def _trainer_plans(shape: ModelShape, engines: Sequence[Component], settings: Mapping[str, Any]) -> list[MemoryPlan]:
+    return [estimate(shape, c.allocation, role=c.role, **settings) for c in engines]
+
+
+def _per_gpu(plans: Sequence[MemoryPlan]) -> int:
+    """Colocated engines' static memory side by side, their largest activations once."""
+    return sum(p.largest.total - p.largest.activations for p in plans) + max(p.largest.activations for p in plans)
+
+
 def _trainer(
     shape: ModelShape, components: Mapping[str, Component], config: TrainConfig
-) -> tuple[Row, list[MemoryPlan]] | None:
+) -> tuple[Row, list[Component]] | None:
     """The trainer pods' memory per GPU: actor plus its colocated critic and ref."""
     engines = [c for c in components.values() if c.allocation.kind == "training"]
     if not engines:
         return None
-    plans = [estimate(shape, c.allocation, role=c.role, **_settings(config)) for c in engines]
-    static = sum(p.largest.total - p.largest.activations for p in plans)
-    activations = max(p.largest.activations for p in plans)
+    plans = _trainer_plans(shape, engines, _settings(config))
     parts: dict[str, int] = {}
     for p in plans:
         for key in ("parameters", "gradients", "optimizer"):
             parts[key] = parts.get(key, 0) + p.largest.to_dict()[key]
-    parts["activations (estimate)"] = activations
+    parts["activations (estimate)"] = max(p.largest.activations for p in plans)
     backend = (
         " + ".join(f"{c.name} {c.allocation}" for c in engines) if len(engines) > 1 else str(engines[0].allocation)
     )
     name = "trainer" if len(engines) > 1 else engines[0].name
-    return Row(name, backend, static + activations, parts), plans
+    return Row(name, backend, _per_gpu(plans), parts), engines
 
 
-def _refusal(shape: ModelShape, row: Row, plans: list[MemoryPlan], config: TrainConfig, limit: int, source: str) -> str:
-    """Why the trainer does not fit, and a layout that does: the actor's engine sliced
-    otherwise, on as many GPUs or more (the colocated engines keep their share)."""
-    actor = plans[0]
-    others = sum(p.largest.total - p.largest.activations for p in plans[1:])
-    head = (
+def _need(row: Row) -> str:
+    return (
         f"{row.backend} needs about {row.per_gpu / GIB:.1f} GiB per GPU "
-        f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in row.parts.items())}) but the GPUs have "
-        f"{limit / GIB:.1f} GiB ({source})"
+        f"({', '.join(f'{k} {v / GIB:.1f}' for k, v in row.parts.items())})"
     )
+
+
+def _hints(shape: ModelShape, engines: list[Component], config: TrainConfig, limit: int) -> list[str]:
+    """What fits in ``limit`` per GPU, each as the RLJob field to set: the same layout with
+    recompute or bfloat16, the actor's engine sliced otherwise (the colocated engines keep their
+    share), a smaller micro-batch cap."""
     settings = _settings(config)
-    found = fitting_layout(shape, actor.allocation, max(limit - others, 1), role=actor.role, **settings)
     hints = []
+    # Precision and recompute first: the same GPUs, the same batches.
+    options: list[dict[str, Any]] = []
+    if not settings["recompute"]:
+        options.append({"recompute": True})
+    if settings["dtype"] == "float32":
+        options.append({"dtype": "bfloat16"})
+        if not settings["recompute"]:
+            options.append({"recompute": True, "dtype": "bfloat16"})
+    for option in options:
+        need = _per_gpu(_trainer_plans(shape, engines, {**settings, **option}))
+        if need <= limit:
+            fields = {"recompute": "spec.model.gradientCheckpointing: true", "dtype": "spec.model.dtype: bfloat16"}
+            hints.append(f"with {' and '.join(fields[k] for k in option)} it needs about {need / GIB:.1f} GiB")
+            break
+    actor = estimate(shape, engines[0].allocation, role=engines[0].role, **settings)
+    others = sum(p.largest.total - p.largest.activations for p in _trainer_plans(shape, engines[1:], settings))
+    found = fitting_layout(shape, actor.allocation, max(limit - others, 1), role=actor.role, **settings)
     if found is not None:
         alloc, plan = found
         hints.append(f"{alloc} fits ({plan.largest.total / GIB:.1f} GiB for the actor)")
+    # The trainer takes caps that are multiples of lcm(blockSize, t*c).
+    step = math.lcm(config.actor.tree_training.block_size, actor.allocation.alignment)
+    if (tokens := _fitting_tokens(shape, engines, settings, step, limit)) is not None:
+        need = _per_gpu(_trainer_plans(shape, engines, {**settings, "tokens": tokens}))
+        hints.append(f"with {TOKENS_FIELD}: {tokens} it needs about {need / GIB:.1f} GiB")
     if not hints:
-        hints.append(f"no {actor.allocation.backend} layout up to 1024 GPUs fits; lower maxTokensPerMb")
-    return f"{head}; {'; '.join(hints)}"
+        hints.append(
+            f"no {actor.allocation.backend} layout up to 1024 GPUs fits, nor {actor.allocation} with {TOKENS_FIELD} "
+            f"down to {step}: try another engine or a larger GPU"
+        )
+    return hints
+
+
+def _fitting_tokens(
+    shape: ModelShape, engines: list[Component], settings: dict[str, Any], step: int, limit: int
+) -> int | None:
+    """The largest micro-batch cap below the current one, a multiple of ``step``, with which the
+    trainer fits in ``limit`` (None: not even ``step``)."""
+    low, high = 0, (settings["tokens"] - 1) // step  # multiples of step: low fits (0: none), high + 1 does not
+    while low < high:
+        mid = (low + high + 1) // 2
+        if _per_gpu(_trainer_plans(shape, engines, {**settings, "tokens": mid * step})) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return low * step if low else None

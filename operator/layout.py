@@ -146,7 +146,11 @@ def trainer_config(layout: Layout) -> dict[str, Any]:
     spec = layout.spec
     actor = layout.components.get("actor")
     config: dict[str, Any] = {
-        "model": {"path": model_path(spec)},
+        "model": {
+            "path": model_path(spec),
+            "dtype": trainer_dtype(layout),
+            "gradientCheckpointing": spec.model.gradient_checkpointing,
+        },
         "actor": {
             "backend": str(actor.allocation) if actor else spec.actor.backend,
             "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
@@ -167,6 +171,17 @@ def trainer_config(layout: Layout) -> dict[str, Any]:
                 "colocated": settings.colocated,
             }
     return config
+
+
+def trainer_dtype(layout: Layout) -> str:
+    """``spec.model.dtype`` as the trainer config's ``model.dtype``: ``auto`` is bfloat16 when the
+    trainer pods request GPUs (the actor's allocation gives each pod at least one), float32 when
+    they request none. Written out, so the ConfigMap and ``rljob plan`` say what the pods run."""
+    dtype = layout.spec.model.dtype
+    if dtype != "auto":
+        return dtype
+    actor = layout.components.get("actor")
+    return "float32" if actor is not None and actor.pods.gpus_per_pod == 0 else "bfloat16"
 
 
 def _weight_sync_config(layout: Layout) -> dict[str, Any]:

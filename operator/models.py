@@ -7,14 +7,17 @@ camelCase on the wire, snake_case in Python.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 from treetrain.config.schema import (
     DEFAULT_WEIGHT_SYNC_PORT,
     MAX_BACKEND,
+    DType,
     RoleSettings,
     TreeTrainingSettings,
     WeightSyncMethod,
@@ -33,6 +36,8 @@ DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 MAX_TTL_SECONDS = 10 * 366 * 86400  # ten years: larger values overflow date arithmetic
 
 Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
+# The trainer's dtypes and auto: the operator writes bfloat16 for trainer pods with GPUs, float32 without.
+ModelDType = Literal["auto", DType]
 
 
 class _Model(BaseModel):
@@ -51,11 +56,51 @@ class VolumeRef(_Model):
     read_only: bool = Field(default=False, description="Mount read-only.")
 
 
-# spec.model: where the pods find the weights (a Hugging Face id, or a path on a mounted claim).
-# Not treetrain.engines.source.ModelSource, which resolves a model inside the trainer. The
-# docstring is the CRD's description of spec.model.
+# A Kubernetes quantity, unsigned (resource.Quantity's syntax): 4, 0.5, 500m, 64Gi, 1e3.
+QUANTITY_PATTERN = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+
+
+def _quantity(value: Any) -> str:
+    """A quantity as a container spec takes it: a string, or a whole number (``cpu: 8``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not re.fullmatch(QUANTITY_PATTERN, value):
+        raise PydanticCustomError("quantity", "must be a Kubernetes quantity such as 8, 500m or 64Gi")
+    return value
+
+
+Quantity = Annotated[
+    str,
+    PlainValidator(_quantity),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+
+
+class ResourceList(_Model):
+    """CPU and memory; GPUs are the operator's to set (from the backend and gpuResourceName)."""
+
+    cpu: Quantity | None = Field(default=None, description="CPU cores: 8, 500m.")
+    memory: Quantity | None = Field(default=None, description="Bytes: 64Gi, 512Mi.")
+
+
+class Resources(_Model):
+    """CPU and memory of a container, as in a pod spec (the operator adds the GPUs)."""
+
+    requests: ResourceList = Field(
+        default_factory=ResourceList,
+        description="Unset: cpu 2 and memory 8Gi (a resource with only a limit requests the limit).",
+    )
+    limits: ResourceList = Field(
+        default_factory=ResourceList,
+        description="Unset: none. The memory-backed /dev/shm (up to 16Gi) counts against a memory limit.",
+    )
+
+
+# spec.model: where the pods find the weights (a Hugging Face id, or a path on a mounted claim)
+# and how the trainer holds them. Not treetrain.engines.source.ModelSource, which resolves a
+# model inside the trainer. The docstring is the CRD's description of spec.model.
 class ModelStorage(_Model):
-    """Where the model weights come from."""
+    """The model: where its weights come from, and the trainer's precision and recompute."""
 
     path: str = Field(
         min_length=1,
@@ -66,6 +111,16 @@ class ModelStorage(_Model):
         default=None,
         description="The model's Hugging Face config.json, inline (optional): admission then estimates each "
         "component's memory per GPU and refuses a layout that cannot fit.",
+    )
+    dtype: ModelDType = Field(
+        default="auto",
+        description="The trainer's model.dtype (compute dtype; bfloat16 keeps fp32 master weights where FSDP "
+        "shards them): auto is bfloat16 in trainer pods with GPUs, float32 in pods without.",
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="The trainer's model.gradientCheckpointing: recompute activations in the backward pass "
+        "(far less activation memory, for one more forward pass per micro-batch).",
     )
 
 
@@ -109,6 +164,7 @@ class RolloutEngine(_Model):
         default_factory=list, description="Extra command-line flags for the server, appended as given."
     )
     port: int = Field(default=30000, ge=1, le=65535, description="HTTP port of each server.")
+    resources: Resources = Field(default_factory=Resources, description="CPU and memory of each server pod.")
 
 
 # Child names are <rljob>-<suffix>; an engine adds <rljob>-rollout-<name>. With engine names
@@ -134,6 +190,9 @@ class Actor(_Model):
     )
     # The trainer config's own section: one schema for both.
     tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
+    resources: Resources = Field(
+        default_factory=Resources, description="CPU and memory of each trainer pod (critic and ref run in them too)."
+    )
 
 
 class Checkpoint(_Model):

@@ -77,6 +77,28 @@ class Plan:
         """Where checkpoints live and whether a restarted gang can resume from them."""
         return self.layout.checkpoints()
 
+    def trainer(self) -> dict[str, Any]:
+        """What the trainer pods run, from the ConfigMap's config (``rljob plan`` prints it)."""
+        t, model = self.config.trainer, self.config.model
+        if t.agent is not None:
+            episodes = f"agent {t.agent}"
+        elif t.dataset is not None:
+            episodes = f"rows of {t.dataset.path}"
+        else:
+            episodes = f"task {t.task}"
+        return {
+            "episodes": episodes,
+            "dataset": t.dataset.path if t.dataset is not None else None,
+            "reward": t.reward,
+            "algorithm": t.algorithm,
+            "steps": t.steps,
+            "groups_per_step": t.groups_per_step,
+            "group_size": t.group_size,
+            "dtype": model.dtype,
+            "gradient_checkpointing": model.gradient_checkpointing,
+            "max_tokens_per_microbatch": self.config.actor.tree_training.max_tokens_per_mb,
+        }
+
     def openai_endpoint(self) -> str | None:
         """The base URL of the OpenAI-compatible endpoint trainer rank 0 serves (None without
         ``trainer.agent``); reachable only from the RLJob's own pods under its NetworkPolicy."""

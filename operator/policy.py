@@ -171,6 +171,12 @@ def _spec_problems(spec: RLJobSpec, components: dict[str, Component], limits: Li
         if volume is not None and (why := api_rules.subdomain_problem(volume.claim_name)):
             found.append((f"{path}.claimName", f"{volume.claim_name!r} {why} (the name of a PersistentVolumeClaim)"))
     found += _data_problems(spec)
+    pods = [("spec.actor.resources", spec.actor.resources), ("spec.rollout.resources", spec.rollout.resources)]
+    pods += [(f"spec.additionalRollouts[{i}].resources", e.resources) for i, e in enumerate(spec.additional_rollouts)]
+    for path, wanted in pods:
+        found += api_rules.resource_problems(
+            path, wanted.requests.model_dump(exclude_none=True), wanted.limits.model_dump(exclude_none=True)
+        )
     found += api_rules.model_path_problems(spec.model.path, volume=spec.model.volume is not None)
     if limits.task_modules or limits.image_prefixes or limits.server_flags:
         engines = [("rollout", "spec.rollout", spec.rollout), *((f"rollout-{e.name}", f"spec.additionalRollouts[{i}]", e)

@@ -92,7 +92,7 @@ def trainer(layout: Layout, config: TrainConfig, comp: Component) -> list[dict[s
             *_sync_ports(layout, "containerPort"),
             *_openai_ports(config, "containerPort"),
         ],
-        "resources": resources(gpu, nproc),
+        "resources": resources(gpu, nproc, spec.actor.resources),
         "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts,
     }

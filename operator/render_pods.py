@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator.layout import Layout
-from rljob_operator.models import RLJobSpec
+from rljob_operator.models import Resources, RLJobSpec
 from rljob_operator.names import CHECKPOINT_DIR, MODEL_DIR
 
 # Pods run under the "restricted" Pod Security Standard: a non-root user (the images run as uid
@@ -22,8 +22,14 @@ TRAINER_GRACE_SECONDS = 900
 ROLLOUT_GRACE_SECONDS = 60
 
 
-def resources(gpu: str, count: int) -> dict[str, Any]:
-    return {"limits": {gpu: str(count)}, "requests": {**POD_REQUESTS, gpu: str(count)}}
+def resources(gpu: str, count: int, wanted: Resources) -> dict[str, Any]:
+    """A container's requests and limits: the user's CPU and memory, :data:`POD_REQUESTS` for one
+    given neither a request nor a limit (with only a limit, Kubernetes requests the limit), and
+    the GPUs, which are the operator's."""
+    limits = wanted.limits.model_dump(exclude_none=True)
+    given = wanted.requests.model_dump(exclude_none=True)
+    requests = {k: given.get(k, default) for k, default in POD_REQUESTS.items() if k in given or k not in limits}
+    return {"limits": {**limits, gpu: str(count)}, "requests": {**requests, gpu: str(count)}}
 
 
 def pod_scheduling(layout: Layout) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
         "command": command,
         "env": env,
         "ports": [{"name": "http", "containerPort": engine.port}],
-        "resources": resources(gpu, comp.pods.gpus_per_pod),
+        "resources": resources(gpu, comp.pods.gpus_per_pod, engine.resources),
         "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": mounts,
         # Model loading can take many minutes; the startup probe covers it.

@@ -6,15 +6,18 @@ lists every problem. Nothing else in the operator reads the raw spec."""
 from __future__ import annotations
 
 import re
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rljob_operator.errors import FieldError, PlanError
 from rljob_operator.models import GROUP, KIND, VERSION, RLJobSpec
 from rljob_operator.names import MAX_NAME_LENGTH
 from treetrain.config.load import field_name, value_problem
+from treetrain.config.schema import TrainerSettings
 
 # Deeper than this is refused before any model reads it: pydantic gives up past about 250 levels
 # (a traceback), Python's JSON reader past about 990 (kopf's watch died); real manifests nest < 15.
@@ -109,6 +112,9 @@ def _pydantic_error(error: Any) -> FieldError:
     if error["type"] == "missing":
         return FieldError(path, "is required")
     if error["type"] == "extra_forbidden":
+        if len(error["loc"]) >= 3 and error["loc"][-3] == "resources":
+            return FieldError(path, "requests and limits take cpu and memory only; the operator sets the GPUs "
+                                    "from the backend (as spec.gpuResourceName)")  # fmt: skip
         return FieldError(path, "is not a field of RLJob (check the spelling; fields are camelCase)")
     return FieldError(path, value_problem(error))
 
@@ -158,3 +164,44 @@ def _engines(spec: RLJobSpec | None, raw: Any) -> Engines:
         backend(raw.get("actor")),
         aux,
     )
+
+
+# -- field paths -------------------------------------------------------------------------------
+
+_PATH_PART = re.compile(r"\[[^\]]*\]|[^.\[\]]+")
+
+
+def names_a_field(path: str) -> bool:
+    """Whether ``path`` (``spec.actor.treeTraining.maxTokensPerMicrobatch``,
+    ``spec.additionalRollouts[0].name``, ``metadata.name``) is a field of an RLJob: the models
+    walked by their camelCase names, ``spec.trainerConfig`` by the trainer's ``trainer:``
+    schema; under a free-form mapping (``model.config``, ``taskArgs``, ``nodeSelector``) any key."""
+    head, *rest = _PATH_PART.findall(path) or [""]
+    if head in ("apiVersion", "kind"):
+        return not rest
+    if head == "metadata":
+        return len(rest) <= 1
+    return head == "spec" and _walk(RLJobSpec, rest)
+
+
+def _walk(annotation: Any, parts: list[str]) -> bool:
+    if not parts:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _walk(typing.get_args(annotation)[0], parts)
+    if origin in (typing.Union, types.UnionType):
+        return any(_walk(a, parts) for a in typing.get_args(annotation) if a is not type(None))
+    head, rest = parts[0], parts[1:]
+    if origin is list:
+        return head.startswith("[") and _walk(typing.get_args(annotation)[0], rest)
+    if origin is dict or annotation is dict:
+        return not head.startswith("[")
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        for name, info in annotation.model_fields.items():
+            if head == (info.alias or name):
+                # spec.trainerConfig is free-form in the model (the trainer's rules check it) but
+                # has the trainer's schema.
+                inner = TrainerSettings if annotation is RLJobSpec and name == "trainer_config" else info.annotation
+                return _walk(inner, rest)
+    return False

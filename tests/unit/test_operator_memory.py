@@ -125,7 +125,7 @@ def test_rljob_plan_model_config_flag(tmp_path: Path, capsys: pytest.CaptureFixt
     job.write_text(yaml.safe_dump(m))
     assert main(["plan", str(job), "--model-config", cfg]) == 0
     out = capsys.readouterr().out
-    assert "memory per GPU, 80.0 GiB per GPU (spec.gpuMemoryGiB)" in out and "KV cache" in out
+    assert "memory per GPU: fits the 80.0 GiB GPUs (spec.gpuMemoryGiB):" in out and "KV cache" in out
     assert main(["plan", str(job), "--model-config", cfg, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["memory"]
     assert summary["components"]["actor"]["per_gpu_bytes"] <= 80 * 1024**3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -69,10 +70,16 @@ def test_crd_shape() -> None:
 def test_plan_json_matches_design(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(ROOT / "examples" / "rljob.yaml"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert list(out) == ["components", "total_gpus", "weight_sync", "checkpoints"] and out["total_gpus"] == 16
+    assert list(out) == ["components", "total_gpus", "weight_sync", "checkpoints", "trainer"]
+    assert out["total_gpus"] == 16
     assert out["weight_sync"]["world_size"] == 9 and out["checkpoints"]["persistent"] is False
     for row in out["components"].values():
         assert {"backend", "gpus", "pods", "gpus_per_pod", "nodes"} <= set(row)
+    assert out["trainer"] == {
+        "episodes": "task builtin:parity", "dataset": None, "reward": None, "algorithm": "grpo", "steps": 100,
+        "groups_per_step": 8, "group_size": 4, "dtype": "bfloat16", "gradient_checkpointing": True,
+        "max_tokens_per_microbatch": 32768,
+    }  # fmt: skip
 
 
 def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,6 +93,107 @@ def test_plan_text(capsys: pytest.CaptureFixture[str]) -> None:
         "(trainer 0, rollout 1-8)"
     )
     assert lines[5].startswith("checkpoints: ephemeral: ") and "starts from step 0" in lines[5]
+    # What the trainer pods run, from the ConfigMap's config.
+    assert lines[6] == (
+        "trainer: task builtin:parity, grpo, 100 steps of 8 groups x 4 samples; bfloat16, gradient checkpointing, "
+        "micro-batches of 32768 tokens"
+    )
+    assert lines[7] == "memory: not checked (no model config: give spec.model.config (or rljob plan --model-config))"
+
+
+def test_plan_text_of_an_agent_rljob(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(ROOT / "examples" / "rljob-agent.yaml")]) == 0
+    trainer = [line for line in capsys.readouterr().out.splitlines() if line.startswith("trainer: ")]
+    assert trainer == [
+        "trainer: agent calculator_agent:run on /data/train.jsonl, reward builtin:math, grpo, 200 steps of 16 groups "
+        "x 8 samples; bfloat16, no gradient checkpointing, micro-batches of 16384 tokens"
+    ]
+
+
+def test_plan_config_prints_the_configmap_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from rljob_operator.plan import plan
+
+    path = ROOT / "examples" / "rljob.yaml"
+    assert main(["plan", str(path), "--config"]) == 0
+    out = capsys.readouterr().out
+    head = "trainer config (ConfigMap demo-config, config.yaml):\n"
+    assert head in out
+    (config_map,) = [o for o in plan(yaml.safe_load(path.read_text())).objects if o["kind"] == "ConfigMap"]
+    assert out.split(head, 1)[1] == config_map["data"]["config.yaml"]  # byte for byte, at the end
+    shown = yaml.safe_load(out.split(head, 1)[1])
+    assert shown["model"] == {"path": "Qwen/Qwen3-8B", "dtype": "bfloat16", "gradientCheckpointing": True}
+    assert main(["plan", str(path), "--config", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"] == shown
+
+
+def test_plan_of_a_trainer_config_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(ROOT / "examples" / "trainer-grpo.yaml")
+    assert main(["plan", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"rljob plan: error: {path} is a trainer config (treetrain train {path}), not an RLJob ")
+    assert len(err.splitlines()) == 1
+    # A spec without its envelope is not mistaken for one: the RLJob's own errors name the envelope.
+    bare = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())["spec"]
+    assert not any(k in bare for k in ("apiVersion", "kind"))
+    stdin = subprocess.run([str(BIN / "rljob"), "plan", "-"], input=yaml.safe_dump(bare), capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert stdin.returncode == 2 and "apiVersion: must be treetrain.dev/v1alpha1" in stdin.stderr
+
+
+def test_the_example_fits_80_gib_by_the_memory_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    path = ROOT / "examples" / "rljob.yaml"
+    assert yaml.safe_load(path.read_text())["spec"]["gpuMemoryGiB"] == 80
+    model = str(ROOT / "examples" / "model-configs" / "qwen3-8b.json")
+    assert main(["plan", str(path), "--model-config", model]) == 0
+    captured = capsys.readouterr()
+    assert "memory per GPU: fits the 80.0 GiB GPUs (spec.gpuMemoryGiB):" in captured.out
+    assert captured.err == ""
+    assert main(["plan", str(path), "--model-config", model, "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["checked"] and memory["components"]["actor"]["per_gpu_bytes"] <= 80 * 1024**3
+    print(f"examples/rljob.yaml, actor per GPU: {memory['components']['actor']['per_gpu_bytes'] / 1024**3:.1f} GiB")
+
+
+def test_without_a_gpu_size_an_estimate_above_every_common_gpu_is_one_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
+    del manifest["spec"]["gpuMemoryGiB"]
+    manifest["spec"]["model"] = {"path": "Qwen/Qwen3-8B", "dtype": "float32"}  # fp32, no recompute
+    path = tmp_path / "rljob.yaml"
+    path.write_text(yaml.safe_dump(manifest))
+    model = str(ROOT / "examples" / "model-configs" / "qwen3-8b.json")
+    assert main(["plan", str(path), "--model-config", model]) == 0
+    captured = capsys.readouterr()
+    assert "GPU memory unknown (set spec.gpuMemoryGiB): not checked" in captured.out
+    (warning,) = captured.err.splitlines()
+    assert warning.startswith("rljob plan: warning: fsdp:d8 needs about ")
+    assert "more than any common GPU (80, 96, 141, 192 GiB)" in warning
+    assert "spec.model.gradientCheckpointing: true" in warning
+    # The same RLJob with a GPU size is refused, with the same hints.
+    manifest["spec"]["gpuMemoryGiB"] = 80
+    path.write_text(yaml.safe_dump(manifest))
+    assert main(["plan", str(path), "--model-config", model]) == 2
+    err = capsys.readouterr().err
+    assert "but the GPUs have 80.0 GiB (spec.gpuMemoryGiB); with spec.model.gradientCheckpointing: true and " in err
+    # Within a common GPU: no warning.
+    manifest["spec"]["model"]["gradientCheckpointing"] = True
+    del manifest["spec"]["gpuMemoryGiB"]
+    path.write_text(yaml.safe_dump(manifest))
+    assert main(["plan", str(path), "--model-config", model]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_readme_plan_blocks_are_what_rljob_plan_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (ROOT / "README.md").read_text().splitlines()
+    starts = [i for i, line in enumerate(readme) if line.startswith("$ .venv/bin/rljob plan ")]
+    assert starts
+    for start in starts:
+        argv = [a.replace("examples/", f"{ROOT}/examples/") for a in readme[start].split("#")[0].split()[2:]]
+        shown = list(itertools.takewhile(lambda line: not line.startswith(("$", "```")), readme[start + 1 :]))
+        assert main(argv) == 0
+        printed = capsys.readouterr().out.splitlines()
+        assert shown and all(line in printed for line in shown), (readme[start], shown, printed)
 
 
 def test_plan_invalid_lists_every_problem(tmp_path: Path) -> None:
