@@ -107,8 +107,8 @@ def test_a_hub_id_is_refused_offline(tmp_path: Path, monkeypatch: pytest.MonkeyP
     [
         (lambda d: d / "nope.jsonl", "no such file or directory"),
         (lambda d: _write(d / "rows.txt", "x"), "unknown format .txt"),
-        (lambda d: _write(d / "empty.jsonl", ""), "no rows|cannot read it"),
-        (lambda d: _write(d / "bad.jsonl", "{not json\n"), "cannot read it as json"),
+        (lambda d: _write(d / "empty.jsonl", ""), "the file is empty"),
+        (lambda d: _write(d / "bad.jsonl", "{not json\n"), "line 1 is not JSON"),
         (lambda d: (d / "plain").mkdir() or d / "plain", "save_to_disk did not write"),
     ],
 )
@@ -147,7 +147,7 @@ def test_prompt_messages() -> None:
     assert prompt_messages({"prompt": chat}, s) == chat
     padded = [{"role": "user", "content": "hi", "name": None}]  # a column of messages fills unset keys
     assert prompt_messages({"prompt": padded}, s) == [{"role": "user", "content": "hi"}]
-    for bad, phrase in [(None, "got nothing"), ([], "empty list"), ([{"role": "robot", "content": "x"}], "message 0")]:
+    for bad, phrase in [(None, "no prompt"), ([], "empty list"), ([{"role": "robot", "content": "x"}], "message 0 has role 'robot'")]:
         with pytest.raises(DatasetError, match=phrase):
             prompt_messages({"prompt": bad}, s)
 

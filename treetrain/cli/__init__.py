@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 
 from treetrain import __version__
-from treetrain.cli import alloc, memory, pack_stats, proxy, train
+from treetrain.cli import alloc, check, memory, pack_stats, proxy, train
 
 # Each module adds its subcommand and sets ``func`` (args -> exit code).
-SUBCOMMANDS = (alloc, memory, pack_stats, proxy, train)
+SUBCOMMANDS = (alloc, check, memory, pack_stats, proxy, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

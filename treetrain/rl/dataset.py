@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.config.schema import DatasetSettings, TrainerSettings
+from treetrain.rl.dataset_check import DatasetError as DatasetError  # re-exported: its old home
+from treetrain.rl.dataset_check import RowRules, blank_line_hint, check_loaded, prompt_problem, scan_file
 from treetrain.rl.rewards import RewardRunner
 from treetrain.rl.task import TaskError
 
@@ -26,74 +28,84 @@ Rows = Sequence[dict[str, Any]]
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 SINGLE_SPLIT = "train"  # the split name of one file, or of a saved Dataset (not a DatasetDict)
-ROLES = ("system", "user", "assistant")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # Replacement groups of a step (ids groupsPerStep and up) take rows from their own stream, this
 # many times groupsPerStep per step (collect.EXTRA_GROUPS_FACTOR: the most a step plays).
 REPLACEMENT_FACTOR = 4
 STATE_VERSION = 1
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be read or used; the message says what to change."""
+ANY_REWARD = "the reward"  # load_rows' default: answers checked as a built-in reward reads them
 
 
 # -- reading rows ---------------------------------------------------------------------------
 
 
-def load_rows(settings: DatasetSettings, *, cache_dir: str | None = None) -> Rows:
-    """The rows of ``settings.split``, checked to have the prompt and answer columns.
+def load_rows(
+    settings: DatasetSettings,
+    *,
+    cache_dir: str | None = None,
+    key: str = "trainer.dataset",
+    answer_for: str | None = ANY_REWARD,
+) -> Rows:
+    """The rows of ``settings.split``, every one checked before any is used (dataset_check): a
+    prompt in each; with ``answer_for`` (the reward that compares replies with the answer; None:
+    nothing reads it) an answer in each. ``key`` names the config key in errors.
     ``cache_dir``: where ``datasets`` keeps its Arrow copy of a file, memory-mapped; None: the
     rows of a file are held in memory and no copy is kept (a save_to_disk directory is mapped)."""
+    rules = RowRules(key, settings.path, settings.prompt_field, settings.answer_field, answer_for)
     path = Path(settings.path).expanduser()
     if not path.exists():
         if _HUB_ID.match(settings.path) and path.suffix not in FORMATS:
             raise DatasetError(
-                f"trainer.dataset.path {settings.path!r} is not a local file or directory, and treetrain reads local "
+                f"{key}.path {settings.path!r} is not a local file or directory, and treetrain reads local "
                 "datasets only: download it first (e.g. `datasets.load_dataset(...).save_to_disk(DIR)`) and set "
-                "trainer.dataset.path to DIR"
+                f"{key}.path to DIR"
             )
-        raise DatasetError(f"trainer.dataset.path {settings.path!r}: no such file or directory")
+        raise DatasetError(f"{key}.path {settings.path!r}: no such file or directory")
+    builder, blank = (None if path.is_dir() else _builder(path, key)), None
+    if builder is not None:
+        _single_split(path, settings.split, key)
+        blank = scan_file(path, builder, rules)  # before datasets: line numbers, and no row pyarrow would choke on
     with _offline():
-        rows: Rows = _read(path, settings.split, cache_dir)
-    columns = list(getattr(rows, "column_names", None) or [])
-    missing = [f for f in (settings.prompt_field, settings.answer_field) if f not in columns]
-    if missing:
-        raise DatasetError(
-            f"trainer.dataset {settings.path}: no column {', '.join(map(repr, missing))}; its columns are "
-            f"{', '.join(columns) or 'none'}: set trainer.dataset.promptField / answerField"
-        )
+        rows: Rows = _read(path, settings.split, cache_dir, builder, key, blank_line_hint(blank))
+    missing = rules.missing_columns(getattr(rows, "column_names", None) or [])
+    if missing is not None:
+        raise missing
     if len(rows) == 0:
-        raise DatasetError(f"trainer.dataset {settings.path} (split {settings.split}) has no rows")
+        raise DatasetError(f"{key} {settings.path} (split {settings.split}) has no rows; fix: point it at rows")
+    if builder != "json":  # JSON rows were checked as scan_file read them
+        check_loaded(rows, rules)
     return rows
 
 
-def _read(path: Path, split: str, cache_dir: str | None) -> Any:
+def _builder(path: Path, key: str) -> str:
+    builder = FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise DatasetError(
+            f"{key}.path {path}: unknown format {path.suffix or '(no suffix)'}; use one of "
+            f"{', '.join(FORMATS)} or a save_to_disk directory"
+        )
+    return builder
+
+
+def _read(path: Path, split: str, cache_dir: str | None, builder: str | None, key: str, hint: str) -> Any:
     import datasets
 
-    if path.is_dir():
+    if builder is None:
         if not any((path / name).exists() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
             raise DatasetError(
-                f"trainer.dataset.path {path} is a directory that datasets' save_to_disk did not write; point it at "
+                f"{key}.path {path} is a directory that datasets' save_to_disk did not write; point it at "
                 f"a {', '.join(FORMATS)} file or such a directory"
             )
         try:
             found = datasets.load_from_disk(str(path))
         except Exception as err:  # a damaged directory: one line, not a traceback
-            raise DatasetError(f"trainer.dataset.path {path}: cannot read it: {type(err).__name__}: {err}") from None
+            raise DatasetError(f"{key}.path {path}: cannot read it: {type(err).__name__}: {err}") from None
         if isinstance(found, datasets.DatasetDict):
             if split not in found:
-                raise DatasetError(f"trainer.dataset.split {split!r} is not in {path}; its splits: {', '.join(found)}")
+                raise DatasetError(f"{key}.split {split!r} is not in {path}; its splits: {', '.join(found)}")
             return found[split]
-        _single_split(path, split)
+        _single_split(path, split, key)
         return found
-    builder = FORMATS.get(path.suffix.lower())
-    if builder is None:
-        raise DatasetError(
-            f"trainer.dataset.path {path}: unknown format {path.suffix or '(no suffix)'}; use one of "
-            f"{', '.join(FORMATS)} or a save_to_disk directory"
-        )
-    _single_split(path, split)
     try:
         if cache_dir is not None:
             return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=cache_dir)
@@ -102,15 +114,15 @@ def _read(path: Path, split: str, cache_dir: str | None) -> Any:
             return datasets.load_dataset(
                 builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=tmp, keep_in_memory=True
             )
-    except Exception as err:  # malformed JSON, CSV, Parquet
-        message = " ".join(str(err).split())[:300]
-        raise DatasetError(f"trainer.dataset.path {path}: cannot read it as {builder}: {message}") from None
+    except Exception as err:  # malformed CSV or Parquet, or JSON the scan let through
+        message = " ".join(str(err).split())[:300] or type(err).__name__
+        raise DatasetError(f"{key}.path {path}: cannot read it as {builder}: {message}{hint}") from None
 
 
-def _single_split(path: Path, split: str) -> None:
+def _single_split(path: Path, split: str, key: str) -> None:
     if split != SINGLE_SPLIT:
         raise DatasetError(
-            f"trainer.dataset.split {split!r} is not in {path}, which holds one split: {SINGLE_SPLIT}; set split: "
+            f"{key}.split {split!r} is not in {path}, which holds one split: {SINGLE_SPLIT}; set split: "
             f"{SINGLE_SPLIT} (or save a DatasetDict with save_to_disk)"
         )
 
@@ -144,28 +156,13 @@ def prompt_messages(row: dict[str, Any], settings: DatasetSettings) -> list[dict
     """The chat messages of a row's prompt: a string is one user message; a list of
     ``{"role", "content"}`` messages is taken as it is."""
     prompt = row.get(settings.prompt_field)
-    where = f"trainer.dataset.promptField {settings.prompt_field!r}"
+    bad = prompt_problem(prompt, settings.prompt_field)
+    if bad is not None or prompt is None:
+        raise DatasetError(bad or "no prompt")
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not prompt:
-        raise DatasetError(f"{where}: a prompt must be a string or a list of messages, got {_kind(prompt)}")
-    for i, message in enumerate(prompt):
-        if (
-            not isinstance(message, dict)
-            or message.get("role") not in ROLES
-            or not isinstance(message.get("content"), str)
-        ):
-            raise DatasetError(
-                f"{where}: message {i} must be {{role: {'|'.join(ROLES)}, content: string}}, got {str(message)[:80]}"
-            )
     # A column of messages gives every message every key seen in any of them: drop the unset ones.
     return [{k: v for k, v in m.items() if v is not None} for m in prompt]
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, list):
-        return "an empty list"
-    return "nothing" if value is None else type(value).__name__
 
 
 # -- which row each group trains --------------------------------------------------------------
@@ -327,7 +324,11 @@ class DatasetTask:
         row = dict(self.rows[index])
         tokens = self._prompts.get(index)
         if tokens is None:
-            tokens = render_prompt(self.tokenizer, prompt_messages(row, self.dataset))
+            try:
+                messages = prompt_messages(row, self.dataset)
+            except DatasetError as err:  # rows are checked when loaded: only a changed row gets here
+                raise DatasetError(f"trainer.dataset {self.dataset.path}: row index {index}: {err}") from None
+            tokens = render_prompt(self.tokenizer, messages)
             if len(self._prompts) >= 1024:
                 self._prompts.clear()
             self._prompts[index] = tokens

@@ -186,6 +186,20 @@ def load_reward(spec: str, args: dict[str, Any]) -> RewardFn:
     return ImportedReward(spec, fn, dict(args))
 
 
+def reads_answer(spec: str | None, args: dict[str, Any]) -> bool:
+    """Whether reward ``spec`` compares replies with the row's answer, so every row needs one:
+    builtin:math and builtin:exact do, builtin:regex when its pattern has a group ``answer``. A
+    user reward gets the whole row and reads what it wants: its rows are not checked."""
+    if spec in ("builtin:math", "builtin:exact"):
+        return True
+    if spec == "builtin:regex":
+        try:
+            return "answer" in re.compile(str(args.get("pattern", ""))).groupindex
+        except re.error:
+            return False  # load_reward refuses the pattern
+    return False
+
+
 def _no_args(spec: str, args: dict[str, Any], takes: tuple[str, ...]) -> None:
     extra = sorted(set(args) - set(takes))
     if extra:

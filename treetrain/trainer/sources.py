@@ -123,13 +123,15 @@ class Sources:
 
     def _load_data(self, cfg: TrainConfig, get_tokenizer: Callable[[], Any]) -> None:
         from treetrain.rl.dataset import load_rows
+        from treetrain.rl.rewards import reads_answer
 
         t = cfg.trainer
         assert t.dataset is not None
-        self.rows = load_rows(t.dataset)
-        if not len(self.rows):
-            raise TaskError(f"trainer.dataset {t.dataset.path}: no rows; fix: point it at a file with rows")
-        self.eval_rows = load_rows(t.eval.dataset) if t.eval is not None else None
+        # Every row checked here, before the tokenizer and the model: a bad one is one line, exit 2.
+        answer_for = t.reward if reads_answer(t.reward, t.reward_args) else None
+        self.rows = load_rows(t.dataset, answer_for=answer_for)
+        if t.eval is not None:
+            self.eval_rows = load_rows(t.eval.dataset, key="trainer.eval.dataset", answer_for=answer_for)
         if t.reward is not None:
             from treetrain.rl.rewards import RewardRunner, load_reward
 
