@@ -67,6 +67,10 @@ class Run:
     trainer_idle_s: float
     rollout_idle_s: float | None  # None: the trainer exports no rollout idle counter
     server_idle_s: float
+    # The window the server's busy time was read over: trainer.run() whole, restore and start-up
+    # included, so a bit longer than wall_s (the steps alone). The server's idle fraction is of
+    # this window: divided by wall_s it passed 1 on a loaded machine.
+    server_window_s: float
     staleness_max: int
     staleness_mean: float
     rewards: list[float]
@@ -190,6 +194,7 @@ def run_mode(token_delay: float, args: argparse.Namespace, tmp: Path, *, stalene
         trainer_idle_s=rollout_s if trainer_idle is None else trainer_idle,
         rollout_idle_s=rollout_idle,
         server_idle_s=max(0.0, took - server_busy),
+        server_window_s=took,
         staleness_max=max((k for k, _ in found), default=0),
         staleness_mean=sum(x for _, x in found) / len(found) if found else 0.0,
         rewards=[r.reward for r in records],
@@ -231,7 +236,7 @@ def report(runs: list[Run], token_delay: float) -> dict[str, Any]:
                 "fraction_of_ideal": speedup / ideal,
                 "trainer_idle_fraction": run.trainer_idle_s / run.wall_s,
                 "rollout_idle_fraction": None if run.rollout_idle_s is None else run.rollout_idle_s / run.wall_s,
-                "server_idle_fraction": run.server_idle_s / run.wall_s,
+                "server_idle_fraction": run.server_idle_s / run.server_window_s,
             }
         )
     return {

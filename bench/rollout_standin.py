@@ -67,6 +67,7 @@ class RolloutStandin:
         self.weight_version = "default"
         self.loads: list[tuple[str, str]] = []
         self.requests = self.aborted = 0
+        self.started: list[int] = []  # request ids (numbered as they arrive) in the order they started generating
         self._cond = threading.Condition()
         self._paused = False
         self._abort_epoch = 0  # bumped by every abort: a request that saw another epoch stops
@@ -223,6 +224,7 @@ class RolloutStandin:
                 self._cond.notify_all()  # the next in line may start
             run = _Run(planned=len(planned), since=time.monotonic())
             self._start(run)
+            self.started.append(rid)
             try:
                 # One wait per request, not one per token: woken early only by a pause or an abort.
                 while run.done < run.planned:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,12 +43,10 @@ class _Request(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.out: tuple[int, Any] | None = None
-        self.done_at = 0.0
         self.start()
 
     def run(self) -> None:
         self.out = http_json("POST", self.url + "/generate", self.body, WAIT)
-        self.done_at = time.monotonic()
 
 
 def test_the_client_generates_tokens_with_logprobs(standin: RolloutStandin) -> None:
@@ -163,8 +160,9 @@ def test_queued_requests_start_in_arrival_order() -> None:
             assert server.wait_for(lambda s, n=i: s.requests == n + 2, WAIT)  # arrived before the next is sent
         for req in [first, *queued]:
             req.join(WAIT)
-        by_end = sorted(queued, key=lambda r: r.done_at)
-        assert by_end == queued  # each queued request was served in the order it came
+        # Judged by the server's own record: the clients' finishing times are 4 ms apart, and a
+        # busy machine may wake their threads in another order (the test failed that way in CI).
+        assert server.started == [1, 2, 3, 4, 5]  # each queued request was started in the order it came
 
 
 def test_bad_requests_are_refused(standin: RolloutStandin) -> None:
