@@ -170,3 +170,28 @@ def test_bad_requests_are_refused(standin: RolloutStandin) -> None:
     assert http_json("POST", standin.url + "/nowhere", {}, WAIT)[0] == 404
     with pytest.raises(ValueError, match="first_token"):
         RolloutStandin(vocab=4, first_token=4)
+
+
+def test_a_stop_abandons_a_generate_call_waiting_on_the_server(standin: RolloutStandin) -> None:
+    """SIGTERM during a synchronous rollout on servers: the call raises RolloutStopped at its
+    next poll, and its requests (which would run ~40 s more) are left to the server."""
+    from treetrain.rl.progress import RolloutStopped
+
+    stop = threading.Event()
+    client = SGLangRollout(endpoints=[standin.url])
+    client.stop = stop.is_set
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.generate([[1, 2], [3]], SamplingParams(max_new_tokens=20_000), seed=0)
+        except BaseException as err:
+            raised.append(err)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    assert standin.wait_for(lambda s: s.active == 2, WAIT)
+    stop.set()
+    caller.join(WAIT)
+    assert not caller.is_alive() and len(raised) == 1 and isinstance(raised[0], RolloutStopped)
+    standin.post("/pause_generation", {"mode": "abort"})  # end the abandoned requests before the server closes

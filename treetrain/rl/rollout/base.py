@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,9 @@ class RolloutClient(ABC):
 
     kind: str
     gate: WeightGate
+    # Asked while a generate call waits on servers: True abandons the call (RolloutStopped).
+    # The synchronous trainer sets it (SIGTERM); None: the call runs to its end.
+    stop: Callable[[], bool] | None = None
 
     @abstractmethod
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:

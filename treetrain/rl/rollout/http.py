@@ -140,7 +140,9 @@ class HTTPRollout(RolloutClient):
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
         """Safe to call from several threads at once; every reply is complete (resubmit.py)."""
-        return spread(self.sync_targets(), self.dispatch, self.gate, prompts, params, seed, self.timeout_s)
+        return spread(
+            self.sync_targets(), self.dispatch, self.gate, prompts, params, seed, self.timeout_s, stop=self.stop
+        )
 
     @abstractmethod
     def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:

@@ -73,7 +73,7 @@ class MixedRollout(RolloutClient):
 
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
         timeout_s = max(c.timeout_s for c in self.clients)
-        return spread(self.targets, self.dispatch, self.gate, prompts, params, seed, timeout_s)
+        return spread(self.targets, self.dispatch, self.gate, prompts, params, seed, timeout_s, stop=self.stop)
 
     @property
     def resubmitted(self) -> int:

@@ -22,12 +22,13 @@ RolloutError (the caller drops that group). Every wait is bounded by the client'
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from treetrain.rl.progress import RolloutStopped
 from treetrain.rl.rollout.base import Generation, RolloutError, SamplingParams
 from treetrain.rl.rollout.gate import WeightGate
 
@@ -76,9 +77,12 @@ def spread(
     params: SamplingParams,
     seed: int,
     timeout_s: float,
+    *,
+    stop: Callable[[], bool] | None = None,
 ) -> list[Generation]:
     """Round-robin: prompt i goes first to ``targets[(start + i) % n]`` with seed ``seed + i``, one
-    request per prompt, all at once; the generations come back in prompt order."""
+    request per prompt, all at once; the generations come back in prompt order. ``stop`` is asked
+    every ``STOP_POLL_S`` while the requests run: True abandons them (:class:`RolloutStopped`)."""
     if not prompts:
         return []
     start = dispatch.take(len(prompts), len(targets))
@@ -87,8 +91,47 @@ def spread(
         first = (start + i) % len(targets)
         return generate_resumable(targets, first, prompts[i], params, seed + i, gate, dispatch, timeout_s)
 
-    with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-        return list(pool.map(one, range(len(prompts))))
+    return _map_stoppable(one, len(prompts), min(64, len(prompts)), stop)
+
+
+STOP_POLL_S = 0.25  # how often a waiting generate call asks whether to stop
+
+
+def _map_stoppable(
+    fn: Callable[[int], Generation], n: int, workers: int, stop: Callable[[], bool] | None
+) -> list[Generation]:
+    """``fn(0..n-1)`` on ``workers`` daemon threads, results in order; the first error (in index
+    order) is raised once every call ended. Daemon threads, not an executor's: a stopped call's
+    requests are abandoned, and the process must be able to exit while they still wait on a server
+    (an executor's threads are joined at exit, for up to the request timeout)."""
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(n):
+        todo.put(i)
+    results: list[Generation | BaseException | None] = [None] * n
+    left = threading.Semaphore(0)
+
+    def work() -> None:
+        while True:
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                results[i] = fn(i)
+            except BaseException as err:  # handed to the caller
+                results[i] = err
+            left.release()
+
+    for w in range(workers):
+        threading.Thread(target=work, name=f"generate-{w}", daemon=True).start()
+    for _ in range(n):
+        while not left.acquire(timeout=STOP_POLL_S):
+            if stop is not None and stop():
+                raise RolloutStopped("generation requests abandoned on SIGTERM")
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if r is not None and not isinstance(r, BaseException)]
 
 
 def generate_resumable(
