@@ -147,7 +147,11 @@ def test_prompt_messages() -> None:
     assert prompt_messages({"prompt": chat}, s) == chat
     padded = [{"role": "user", "content": "hi", "name": None}]  # a column of messages fills unset keys
     assert prompt_messages({"prompt": padded}, s) == [{"role": "user", "content": "hi"}]
-    for bad, phrase in [(None, "no prompt"), ([], "empty list"), ([{"role": "robot", "content": "x"}], "message 0 has role 'robot'")]:
+    for bad, phrase in [
+        (None, "no prompt"),
+        ([], "empty list"),
+        ([{"role": "robot", "content": "x"}], "message 0 has role 'robot'"),
+    ]:
         with pytest.raises(DatasetError, match=phrase):
             prompt_messages({"prompt": bad}, s)
 

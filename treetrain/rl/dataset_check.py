@@ -53,13 +53,18 @@ class RowRules:
         return (self.prompt_field, self.answer_field) if self.answer_for else (self.prompt_field,)
 
     def problem(self, row: Mapping[str, Any]) -> str | None:
-        """What is wrong with one row (None: nothing)."""
-        bad = prompt_problem(row.get(self.prompt_field), self.prompt_field)
-        if bad is not None:
-            return bad
+        """What is wrong with one row (None: nothing). Called once a row: the common rows (a
+        string prompt, a string answer) take the short way."""
+        prompt = row.get(self.prompt_field)
+        if type(prompt) is not str or not prompt or prompt.isspace():
+            bad = prompt_problem(prompt, self.prompt_field)
+            if bad is not None:
+                return bad
         if self.answer_for is None:
             return None
         answer = row.get(self.answer_field)
+        if type(answer) is str:
+            return None
         if answer is None or (isinstance(answer, float) and math.isnan(answer)):
             return (
                 f"no answer ({self.answer_field!r} is absent or null), and {self.answer_for} compares each reply "
@@ -97,6 +102,8 @@ def prompt_problem(prompt: Any, field_name: str) -> str | None:
     if not prompt:
         return f"{name} is an empty list of messages; fix: give it at least one {{role, content}} message"
     for i, message in enumerate(prompt):
+        if type(message) is dict and message.get("role") in ROLES and type(message.get("content")) is str:
+            continue
         if not isinstance(message, dict):
             return f"{name} message {i} is {describe(message)}; fix: make each message {{role, content}}"
         role = message.get("role")
@@ -131,19 +138,23 @@ def describe(value: Any) -> str:
 
 @dataclass
 class Findings:
-    """The first bad row and how many there are, and the columns seen."""
+    """The first bad row and how many there are, and the columns seen (in order)."""
 
     rules: RowRules
+    unit: str  # how a row is placed: "line" (from 1) or "row index" (from 0)
     first: str | None = None
     bad: int = 0
-    columns: dict[str, None] = field(default_factory=dict)
+    columns: list[str] = field(default_factory=list)
+    _seen: set[str] = field(default_factory=set)
 
-    def add(self, place: str, row: Mapping[str, Any]) -> None:
-        self.columns.update(dict.fromkeys(row))
+    def add(self, at: int, row: Mapping[str, Any]) -> None:
+        if not row.keys() <= self._seen:
+            self.columns += [k for k in row if k not in self._seen]
+            self._seen.update(row)
         found = self.rules.problem(row)
         if found is not None:
             self.bad += 1
-            self.first = self.first or f"{place}: {found}"
+            self.first = self.first or f"{self.unit} {at}: {found}"
 
     def raise_any(self, rows: int) -> None:
         if rows == 0:
@@ -207,41 +218,48 @@ def _first_byte(path: Path) -> bytes:
     return b""
 
 
-def _utf8_lines(path: Path, rules: RowRules) -> Iterator[tuple[int, str]]:
+def _utf8_lines(path: Path, rules: RowRules) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``path`` (bytes, a BOM dropped) once each is known to be UTF-8."""
     for number, line in _lines(path):
-        try:
-            yield number, line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DatasetError(
-                f"{rules.where}: line {number} is not UTF-8 text (byte 0x{line[err.start]:02x} at column "
-                f"{err.start + 1}); fix: save the file as UTF-8"
-            ) from None
+        if not line.isascii():  # ASCII is UTF-8: only the others need decoding
+            _decode(line, number, rules)
+        yield number, line
+
+
+def _decode(line: bytes, number: int, rules: RowRules) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(
+            f"{rules.where}: line {number} is not UTF-8 text (byte 0x{line[err.start]:02x} at column "
+            f"{err.start + 1}); fix: save the file as UTF-8"
+        ) from None
 
 
 def _scan_json_lines(path: Path, rules: RowRules) -> int | None:
-    findings, rows, blank = Findings(rules), 0, None
-    for number, text in _utf8_lines(path, rules):
-        if not text.strip():
+    findings, rows, blank = Findings(rules, "line"), 0, None
+    for number, line in _lines(path):
+        if line.isspace():
             blank = blank or number  # datasets skips blank lines, mostly (blank_line_hint)
             continue
-        place = f"line {number}"
-        if too_deep(text.encode("utf-8"), MAX_DEPTH):
-            raise DatasetError(f"{rules.where}: {place} nests deeper than {MAX_DEPTH} levels; {_FLATTEN}")
+        if too_deep(line, MAX_DEPTH):
+            raise DatasetError(f"{rules.where}: line {number} nests deeper than {MAX_DEPTH} levels; {_FLATTEN}")
+        text = _decode(line, number, rules)
         try:
             row = json.loads(text)
         except ValueError as err:
             detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
             column = f" at column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
             raise DatasetError(
-                f"{rules.where}: {place} is not JSON ({detail}{column}); fix: write one JSON object per line"
+                f"{rules.where}: line {number} is not JSON ({detail}{column}); fix: write one JSON object per line"
             ) from None
-        if not isinstance(row, dict):
+        if type(row) is not dict:
             raise DatasetError(
-                f"{rules.where}: {place} is {describe(row)}, not a JSON object; fix: write one object per line, "
-                f'e.g. {{"{rules.prompt_field}": "...", "{rules.answer_field}": "..."}}'
+                f"{rules.where}: line {number} is {describe(row)}, not a JSON object; fix: write one object per "
+                f'line, e.g. {{"{rules.prompt_field}": "...", "{rules.answer_field}": "..."}}'
             )
         rows += 1
-        findings.add(place, row)
+        findings.add(number, row)
     findings.raise_any(rows)
     return blank
 
@@ -266,14 +284,14 @@ def _scan_json_list(path: Path, rules: RowRules) -> None:
         ) from None
     if not isinstance(rows, list):
         raise DatasetError(f"{rules.where}: the file is {describe(rows)}; fix: a list of objects, or one per line")
-    findings = Findings(rules)
+    findings = Findings(rules, "row index")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise DatasetError(
                 f"{rules.where}: row index {i} of the list is {describe(row)}, not an object; fix: make every "
                 "item an object"
             )
-        findings.add(f"row index {i}", row)
+        findings.add(i, row)
     findings.raise_any(len(rows))
 
 
@@ -301,13 +319,13 @@ def too_deep(data: bytes, bound: int) -> bool:
 def check_loaded(rows: Any, rules: RowRules) -> None:
     """Every loaded row (a ``datasets.Dataset``), by row index: its columns as Arrow batches,
     only the checked ones converted to Python."""
-    findings = Findings(rules)
-    findings.columns = dict.fromkeys(rows.column_names)
-    names = [f for f in rules.fields() if f in findings.columns]
+    findings = Findings(rules, "row index")
+    names = [f for f in rules.fields() if f in rows.column_names]
     index = 0
     for batch in rows.select_columns(names).with_format("arrow").iter(batch_size=BATCH_ROWS):
         values = {name: batch.column(name).to_pylist() for name in names}
         for offset in range(batch.num_rows):
-            findings.add(f"row index {index + offset}", {name: values[name][offset] for name in names})
+            findings.add(index + offset, {name: values[name][offset] for name in names})
         index += batch.num_rows
+    findings.columns = list(rows.column_names)
     findings.raise_any(index)
