@@ -3,12 +3,14 @@ demand), a server context and plain HTTP calls that the openai SDK cannot make (
 
 from __future__ import annotations
 
+import copy
 import http.client
 import itertools
 import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,6 +19,19 @@ from treetrain.proxy.server import ProxyServer
 from treetrain.rl.rollout import Generation, SamplingParams
 
 SMOL = "builtin:smollm2-135m"
+QWEN_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
 SCRIPTED_LOGPROB = -0.25
 SCRIPTED_VERSION = 7
 
@@ -50,6 +65,16 @@ class Scripted:
             )
             for _ in prompts
         ]
+
+
+def qwen_renderer(smollm2: Any) -> ChatRenderer:
+    """The Qwen2.5 chat template (tests/unit/chat_templates) on a copy of the SmolLM2 tokenizer, its tool
+    tokens added as single ids: a template that renders tools and writes tool calls, as SmolLM2's does not."""
+    tokenizer = copy.deepcopy(smollm2)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN_TOOL_TOKENS})
+    path = Path(__file__).parent / "chat_templates" / "qwen2.5.jinja"
+    tokenizer.chat_template = path.read_text().split("\n", 1)[1]  # less the header line naming the source
+    return ChatRenderer(tokenizer)
 
 
 @contextmanager

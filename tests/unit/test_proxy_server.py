@@ -469,7 +469,8 @@ def _serve_cli(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen[str], 
 
 
 def test_cli_with_a_rollout_server(tmp_path: Path) -> None:
-    """``--rollout URL``: sampling on a server (bench/rollout_standin.py, SGLang's dialect), no model loaded."""
+    """``--rollout URL``: sampling on a server (bench/rollout_standin.py, SGLang's dialect), no model loaded.
+    The process serves its counters at /metrics and writes one line per request on stderr."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from rollout_standin import RolloutStandin
 
@@ -481,13 +482,25 @@ def test_cli_with_a_rollout_server(tmp_path: Path) -> None:
             with OpenAI(base_url=url + "/v1", api_key=body["api_key"], max_retries=0) as client:
                 resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
             (rec,) = samples_of(url, body["id"], body["api_key"])
+            status, _, scraped = request(url, "GET", "/metrics")
             proc.send_signal(signal.SIGINT)
             assert proc.wait(DEADLINE_S) == 0
+            log = proc.stderr.read() if proc.stderr else ""
         finally:
             _reap(proc, watchdog)
         assert standin.requests >= 1
     assert resp.usage.completion_tokens == 5 == sum(rec["loss_mask"])
     assert rec["logprobs"][-5:] == [pytest.approx(standin.logprob)] * 5 and rec["versions"][-5:] == [0] * 5
+    assert status == 200 and 'treetrain_proxy_requests_total{code="200"} 3.0' in scraped
+    assert "treetrain_proxy_completion_tokens_total 5.0" in scraped and "treetrain_proxy_sessions_open 1.0" in scraped
+    requests = [line for line in log.splitlines() if line.startswith("treetrain proxy: ") and " session=" in line]
+    assert [line.split(" session=")[0] for line in requests] == [
+        "treetrain proxy: POST /rl/sessions 200",
+        "treetrain proxy: POST /v1/chat/completions 200",
+        f"treetrain proxy: GET /rl/sessions/{body['id']}/samples 200",
+        "treetrain proxy: GET /metrics 200",
+    ]
+    assert f"session={body['id'][:13]} prompt_tokens={resp.usage.prompt_tokens} completion_tokens=5 " in requests[1]
 
 
 def samples_of(url: str, sid: str, key: str) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from treetrain.metrics import FRESH_REASONS as FRESH_REASONS  # the label values
 from treetrain.proxy.messages import ChatError as ChatError
 from treetrain.proxy.messages import match_key, render_form
 from treetrain.proxy.messages import normalize_messages as normalize_messages
-from treetrain.proxy.tools import ParsedReply, from_parsed_message, parse_reply
+from treetrain.proxy.tools import ParsedReply, from_parsed_message, parse_reply, split_reasoning
 
 # End-of-turn tokens of the model families the engines serve; the sampler stops on those in the vocabulary.
 # (Their generation configs stop on the end-of-text token as well: Qwen2.5 on <|endoftext|>, Llama 3.1 on
@@ -255,12 +255,16 @@ class ChatRenderer:
                 return parsed
         return parse_reply(text)
 
-    def reply(self, tokens: list[int], finish_reason: str) -> Reply:
-        """The assistant message for sampled tokens (the trailing stop token is not text)."""
+    def reply(self, tokens: list[int], finish_reason: str, *, tools: bool = True) -> Reply:
+        """The assistant message for sampled tokens (the trailing stop token is not text). ``tools=False`` (no
+        tools offered, or tool_choice none): reasoning is read, tool calls stay text."""
         body = list(tokens)
         if body and body[-1] in self.stop_token_ids:
             body.pop()
         text = self.tokenizer.decode(body, skip_special_tokens=False)
+        if not tools:
+            reasoning, rest = split_reasoning(text)
+            return Reply(content=rest, tool_calls=[], reasoning=reasoning or None, finish_reason=finish_reason)
         parsed = self._parse(text)
         finish = "tool_calls" if parsed.tool_calls else finish_reason
         return Reply(

@@ -44,7 +44,6 @@ from treetrain.proxy.shaping import (
     chat_completion,
     chat_stream,
     cut,
-    plain,
     record,
     stopped,
     text_completion,
@@ -293,9 +292,7 @@ class ProxyServer:
         for i, gen in enumerate(gens):
             sampled, finish, stop_cut = stopped(gen, opts.stop, self._text)
             with self._tokenizer_lock:
-                reply = self.renderer.reply([*opening, *sampled], finish)
-            if reply.tool_calls and not use_tools:  # no tools offered (or tool_choice none): the text as is
-                reply = plain(self._text(sampled), finish)
+                reply = self.renderer.reply([*opening, *sampled], finish, tools=use_tools)
             if stop_cut is not None:
                 reply = cut(reply, opts.stop)
             message = reply.message()

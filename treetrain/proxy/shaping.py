@@ -72,11 +72,6 @@ def cut(reply: Reply, stops: tuple[str, ...]) -> Reply:
     return Reply(content=content, tool_calls=reply.tool_calls, reasoning=reply.reasoning, finish_reason="stop")
 
 
-def plain(text: str, finish: str) -> Reply:
-    """A reply without tool parsing (no tools offered, or tool_choice none)."""
-    return Reply(content=text, tool_calls=[], reasoning=None, finish_reason="length" if finish == "length" else "stop")
-
-
 def record(completion_id: str, prompt: list[int], gen: Generation, kept: int, text: str) -> SampleRecord:
     """The trained sample: ``prompt`` (forced tool-call openings included) masked out, then exactly
     the ``kept`` tokens the model sampled, with their log-probs and weight versions."""
