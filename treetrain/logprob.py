@@ -40,26 +40,35 @@ class _GatherLogprobs(torch.autograd.Function):
             x_CV = logits_NV[r0 : r0 + chunk_size].float()
             lse_C = torch.logsumexp(x_CV, dim=-1)
             lse_N[r0 : r0 + chunk_size] = lse_C
-            if with_entropy:
-                mean_N[r0 : r0 + chunk_size] = (torch.exp(x_CV - lse_C[:, None]) * x_CV).sum(dim=-1)
+            if with_entropy:  # one exp and one dot per row on top of the normaliser's pass
+                p_CV = torch.sub(x_CV, lse_C[:, None]).exp_()
+                mean_N[r0 : r0 + chunk_size] = torch.linalg.vecdot(p_CV, x_CV)
         logp_M = logits_NV[pred_M, label_M].float() - lse_N[pred_M]
         entropy_M = (lse_N - mean_N)[pred_M] if with_entropy else logp_M.new_zeros(0)
         ctx.save_for_backward(logits_NV, pred_M, label_M, lse_N, mean_N)
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
+        # An output the loss does not differentiate (the entropy, read as a statistic) comes
+        # back as None instead of zeros, so backward skips its work.
+        ctx.set_materialize_grads(False)
         return logp_M, entropy_M
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logp_M: torch.Tensor, grad_entropy_M: torch.Tensor
+        ctx: Any, grad_logp_M: torch.Tensor | None, grad_entropy_M: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
         logits_NV, pred_M, label_M, lse_N, mean_N = ctx.saved_tensors
+        use_entropy = ctx.with_entropy and grad_entropy_M is not None and grad_entropy_M.numel() > 0
+        if grad_logp_M is None:
+            if not use_entropy:
+                return None, None, None, None, None
+            grad_logp_M = torch.zeros(pred_M.shape[0], dtype=torch.float32, device=logits_NV.device)
         n = logits_NV.shape[0]
         # d logp / d logit_v = onehot(label) - softmax; summed per row over the positions using it.
         rows_logp_N = torch.zeros(n, dtype=torch.float32, device=logits_NV.device)
         rows_logp_N.index_add_(0, pred_M, grad_logp_M.float())
-        use_entropy = ctx.with_entropy and grad_entropy_M.numel() > 0
         if use_entropy:
+            assert grad_entropy_M is not None
             rows_ent_N = torch.zeros(n, dtype=torch.float32, device=logits_NV.device)
             rows_ent_N.index_add_(0, pred_M, grad_entropy_M.float())
         grad_NV = torch.empty_like(logits_NV)

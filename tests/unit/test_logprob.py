@@ -52,6 +52,26 @@ def test_gather_matches_log_softmax(chunk: int, with_entropy: bool) -> None:
         torch.testing.assert_close(ent, ref_ent.float())
 
 
+def test_entropy_read_as_a_statistic_leaves_the_gradient_alone() -> None:
+    """The trainer always asks for the entropy, to report it: detached (never differentiated), it
+    changes no gradient bit. Differentiated alone, its gradient is still right."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 13, generator=g, requires_grad=True)
+    pred, label = torch.tensor([0, 1, 1, 4, 5]), torch.tensor([3, 0, 12, 7, 7])
+    plain, _ = gather_logprobs(logits, pred, label, chunk_size=4)
+    (want,) = torch.autograd.grad(plain.sum(), logits)
+    logp, ent = gather_logprobs(logits, pred, label, chunk_size=4, with_entropy=True)
+    assert ent is not None and float(ent.detach().sum()) > 0
+    (got,) = torch.autograd.grad(logp.sum(), logits)
+    assert torch.equal(got, want)
+    _, ent = gather_logprobs(logits, pred, label, chunk_size=4, with_entropy=True)
+    assert ent is not None
+    (ent_grad,) = torch.autograd.grad(ent.sum(), logits)
+    lsm = torch.log_softmax(logits, -1)
+    (ref_grad,) = torch.autograd.grad(-(lsm.exp() * lsm).sum(-1)[pred].sum(), logits)
+    torch.testing.assert_close(ent_grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gather_upcasts_half_logits() -> None:
     logits = torch.randn(5, 9).bfloat16()
     logp, _ = gather_logprobs(logits, torch.tensor([0, 4]), torch.tensor([3, 8]), chunk_size=2)

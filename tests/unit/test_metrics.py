@@ -35,6 +35,14 @@ CONTRACT_NAMES = {
     "treetrain_proxy_fresh_renders": "counter",  # treetrain_proxy_fresh_renders_total{reason=...}
     "treetrain_reward_failures": "counter",  # treetrain_reward_failures_total{reason=...}
     "treetrain_eval_reward": "gauge",
+    # RL health, per step.
+    "treetrain_policy_entropy": "gauge",
+    "treetrain_kl": "gauge",
+    "treetrain_clip_fraction": "gauge",
+    "treetrain_importance_ratio": "gauge",  # {stat="mean"|"max"}
+    "treetrain_grad_norm": "gauge",
+    "treetrain_response_length_tokens": "histogram",
+    "treetrain_zero_signal_groups": "counter",  # treetrain_zero_signal_groups_total
 }
 
 
@@ -46,6 +54,15 @@ def test_constants_are_the_design_names() -> None:
     assert M.STEPS_TOTAL == "treetrain_steps_total"
     assert M.TOKEN_KINDS == ("original", "tree", "padded")
     assert M.DEFAULT_PORT == 9400
+    assert (M.POLICY_ENTROPY, M.KL, M.CLIP_FRACTION, M.IMPORTANCE_RATIO, M.GRAD_NORM) == (
+        "treetrain_policy_entropy",
+        "treetrain_kl",
+        "treetrain_clip_fraction",
+        "treetrain_importance_ratio",
+        "treetrain_grad_norm",
+    )
+    assert M.RESPONSE_LENGTH_TOKENS == "treetrain_response_length_tokens"
+    assert M.ZERO_SIGNAL_GROUPS_TOTAL == "treetrain_zero_signal_groups_total"
 
 
 def test_scrape_and_parse() -> None:
@@ -131,6 +148,58 @@ def test_the_rollout_metrics_are_exported_from_the_first_scrape_and_count_what_s
         ("treetrain_weight_version", ()): 7,
     }
     assert {key: after[key] for key in want} == want
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_the_rl_health_figures_are_exported_under_their_contract_names() -> None:
+    """Entropy, KL, clip fraction, importance ratio, grad norm, reply lengths and zero-signal groups
+    of one step, as a scrape shows them; before any step the gauges have no sample (a run that
+    never measures KL, having no reference model, shows none rather than a 0)."""
+    metrics = M.TrainerMetrics()
+    port = metrics.serve(0, "127.0.0.1")
+    base = dict(tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0, train_seconds=0.5,
+                loss=0.0, reward=0.0)  # fmt: skip
+    try:
+        before = _scrape(port)
+        health = dict(entropy=1.25, kl=0.003, clip_fraction=0.125, ratio_mean=1.01, ratio_max=1.5, grad_norm=0.75)
+        metrics.observe_step(M.StepFigures(**base, **health, response_lengths=(3, 5, 64), zero_signal_groups=2))
+        after = _scrape(port)
+        metrics.observe_step(M.StepFigures(**base, response_lengths=(7,), zero_signal_groups=1))  # no KL this step
+        later = _scrape(port)
+    finally:
+        metrics.close()
+    names = {"treetrain_policy_entropy", "treetrain_kl", "treetrain_clip_fraction", "treetrain_grad_norm"}
+    assert not {name for name, _ in before} & (names | {"treetrain_importance_ratio"})
+    assert before[("treetrain_zero_signal_groups_total", ())] == 0  # a counter: 0 from the first scrape
+    assert before[("treetrain_response_length_tokens_count", ())] == 0
+    want = {
+        ("treetrain_policy_entropy", ()): 1.25,
+        ("treetrain_kl", ()): 0.003,
+        ("treetrain_clip_fraction", ()): 0.125,
+        ("treetrain_importance_ratio", (("stat", "mean"),)): 1.01,
+        ("treetrain_importance_ratio", (("stat", "max"),)): 1.5,
+        ("treetrain_grad_norm", ()): 0.75,
+        ("treetrain_response_length_tokens_count", ()): 3,  # one observation per trained sample
+        ("treetrain_response_length_tokens_sum", ()): 72,
+        ("treetrain_response_length_tokens_bucket", (("le", "4.0"),)): 1,
+        ("treetrain_response_length_tokens_bucket", (("le", "8.0"),)): 2,
+        ("treetrain_response_length_tokens_bucket", (("le", "64.0"),)): 3,
+        ("treetrain_zero_signal_groups_total", ()): 2,
+    }
+    assert {key: after[key] for key in want} == want
+    # A step that did not measure a figure leaves its last value; counters and histograms add up.
+    assert later[("treetrain_kl", ())] == 0.003
+    assert later[("treetrain_zero_signal_groups_total", ())] == 3
+    assert later[("treetrain_response_length_tokens_count", ())] == 4
 
 
 def test_the_agent_metrics_count_increments_of_cumulative_figures() -> None:

@@ -133,13 +133,36 @@ def test_kl_needs_ref_and_is_k3() -> None:
 
 
 def test_entropy_bonus_asks_for_entropy() -> None:
-    assert not PPOLoss(LossSettings()).needs_entropy
     loss = PPOLoss(LossSettings(entropy_coef=0.1))
     assert loss.needs_entropy
     out = MicroBatchOutput(logprobs=torch.tensor([-1.0]), entropy=torch.tensor([2.0]))
     value, stats = loss(out, torch.ones(1), {"advantages": torch.zeros(1)})
     assert float(value.detach()) == pytest.approx(-0.2)
     assert float(stats["entropy"]) == pytest.approx(2.0)
+
+
+def test_entropy_and_kl_are_reported_without_entering_the_loss() -> None:
+    """The trainer reports entropy every step and KL whenever a reference exists: with both
+    coefficients 0 they are statistics only, and the loss is the plain clipped surrogate."""
+    loss = PPOLoss(LossSettings())
+    assert loss.needs_entropy  # always asked for: the step line and treetrain_policy_entropy show it
+    out = MicroBatchOutput(logprobs=torch.tensor([-1.0, -1.0]), entropy=torch.tensor([2.0, 4.0]))
+    mask = torch.tensor([1.0, 0.0])
+    value, stats = loss(out, mask, {"advantages": torch.ones(2), "ref_logprobs": torch.tensor([-2.0, -2.0])})
+    assert float(value.detach()) == pytest.approx(-1.0)  # -ratio * advantage of the one masked-in token
+    assert float(stats["entropy"]) == pytest.approx(2.0)  # masked token only
+    assert float(stats["kl"]) == pytest.approx(math.exp(-1.0) + 1.0 - 1.0)
+
+
+def test_ratio_max_is_the_largest_masked_ratio() -> None:
+    loss = PPOLoss(LossSettings())
+    logp = torch.tensor([-1.0, -0.5, 0.0])
+    old = torch.tensor([-1.0, -1.0, -2.0])  # ratios 1, e^0.5, e^2 (the last one masked out)
+    _, stats = loss(
+        _out(logp.tolist()), torch.tensor([1.0, 1.0, 0.0]), {"advantages": torch.ones(3), "old_logprobs": old}
+    )
+    assert float(stats["ratio_max"]) == pytest.approx(math.exp(0.5))
+    assert float(stats["ratio"]) == pytest.approx(1.0 + math.exp(0.5))  # a sum; the engine divides by tokens
 
 
 def test_value_loss_clips_around_old_values() -> None:

@@ -3,7 +3,9 @@ exact resume from a checkpoint, the PPO + critic path, and the embedded default 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,6 +251,16 @@ def test_resume_reproduces_the_next_step_exactly(tmp_path: Path) -> None:
     got = t2.run()
     assert got.start_step == 2 and [r.step for r in got.records] == [3]
     assert any("resumed from" in line for line in lines)
+    # The step log in checkpoint.dir: the first run's two steps, then the resumed one's, with KL
+    # (a reference model) and the other RL health figures.
+    logged = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    health = {"entropy", "kl", "clip_fraction", "importance_ratio_mean", "importance_ratio_max", "grad_norm"}
+    assert all(
+        health | {"response_length_mean", "response_length_max", "zero_signal_groups"} <= r.keys() for r in logged
+    )
+    rec = got.records[0]
+    assert logged[2]["kl"] == rec.stats["kl"] and logged[2]["grad_norm"] == rec.grad_norm and logged[2]["groups"] == 2
     a, b = want[2], got.records[0]
     assert (a.loss, a.reward, a.grad_norm, a.stats) == (b.loss, b.reward, b.grad_norm, b.stats)
     assert a.loss != 0.0
@@ -369,8 +381,13 @@ def test_the_embedded_default_runs_end_to_end() -> None:
     assert all("reward" in s and "tree_token_ratio" in s and "tokens/s" in s for s in steps)
     # The numbers the embedded default printed before asynchronous rollout (it is synchronous:
     # local rollout), so a change that moves them fails here; no staleness in a synchronous line.
-    fields = [dict(part.split(" ", 1) for part in s.split(" | ")[1:4]) for s in steps]
+    fields = [dict(part.split(" ", 1) for part in s.split(" | ")[1:]) for s in steps]
     assert [(f["reward"], f["loss"], f["tree_token_ratio"]) for f in fields] == GOLDEN_DEFAULT
+    # The RL health parts: entropy, clip, ratio and grad norm (no KL: no reference model), the
+    # replies' mean/max length, and the groups without a signal (4 groups a step).
+    for f in fields:
+        assert re.fullmatch(r"[0-9.e+-]+ clip [0-9.e+-]+ ratio 1\.00/[0-9.]+ gnorm [0-9.e+-]+", f["ent"]), f["ent"]
+        assert re.fullmatch(r"\d+/\d+", f["len"]) and re.fullmatch(r"[0-4]/4 groups", f["no-signal"]), f
     assert not any("staleness" in s for s in steps)
     assert any(line.startswith("metrics: http://127.0.0.1:") for line in lines)
     assert any("training builtin:smollm2-135m on builtin:arithmetic" in line for line in lines)

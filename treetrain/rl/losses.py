@@ -59,7 +59,10 @@ class PPOLoss:
 
     def __init__(self, config: LossSettings, objective: Objective | None = None) -> None:
         self.config = config
-        self.needs_entropy = config.entropy_coef > 0
+        # Always: the entropy is a statistic the trainer reports every step, even without an
+        # entropy bonus. It comes out of the log-normaliser's pass over the logits, and unused by
+        # the loss it adds nothing to backward (bench/entropy_cost.py measures the price).
+        self.needs_entropy = True
         self.ratio_level = objective.ratio_level if objective else (config.ratio_level or "token")
         high = objective.clip_eps_high if objective else config.clip_eps_high
         self.clip_low, self.clip_high = 1.0 - config.clip_eps, 1.0 + (high if high is not None else config.clip_eps)
@@ -100,19 +103,24 @@ class PPOLoss:
             stats["behav_mismatch" + MAX_SUFFIX] = gap_M.max() if gap_M.numel() else gap_M.new_zeros(())
             pg_M = pg_M * self._behav_weight(prox_M, behav_M, mask_M, index_M, stats)
         token_M = pg_M
-        if cfg.kl_coef > 0:
-            if "ref_logprobs" not in inputs:
-                raise LossConfigError("kl_coef > 0 needs ref_logprobs: configure a ref model")
+        if cfg.kl_coef > 0 and "ref_logprobs" not in inputs:
+            raise LossConfigError("kl_coef > 0 needs ref_logprobs: configure a ref model")
+        if "ref_logprobs" in inputs:
             delta_M = inputs["ref_logprobs"].to(logp_M.dtype) - logp_M
             kl_M = torch.exp(delta_M) - delta_M - 1  # k3: unbiased, always >= 0
-            token_M = token_M + cfg.kl_coef * kl_M
+            if cfg.kl_coef > 0:
+                token_M = token_M + cfg.kl_coef * kl_M
             stats["kl"] = (kl_M.detach() * mask_M).sum()
         if cfg.entropy_coef > 0:
             assert out.entropy is not None
             token_M = token_M - cfg.entropy_coef * out.entropy
+        if out.entropy is not None:
             stats["entropy"] = (out.entropy.detach() * mask_M).sum()
         stats["clip_fraction"] = (clipped_M * mask_M).sum()
-        stats["ratio"] = (ratio_M.detach() * mask_M).sum()
+        ratio_masked_M = ratio_M.detach() * mask_M
+        stats["ratio"] = ratio_masked_M.sum()
+        # Ratios are positive, so masked-out positions (0) never win the maximum.
+        stats["ratio" + MAX_SUFFIX] = ratio_masked_M.max() if ratio_masked_M.numel() else ratio_M.new_zeros(())
         if "loss_weights" in inputs:
             token_M = token_M * inputs["loss_weights"].to(logp_M.dtype)
         return (token_M * mask_M).sum(), stats
