@@ -105,10 +105,10 @@ def test_backends_the_factory_refuses(backend: str, message: str) -> None:
 def test_bad_arguments_are_refused_before_any_work() -> None:
     with pytest.raises(EngineConfigError, match="role must be one of actor, critic, ref, got 'judge'"):
         build_engine("builtin:tiny-llama", "fsdp:d1", role="judge")
-    with pytest.raises(EngineConfigError, match="dtype must be one of float32, bfloat16, float16, got 'fp8'"):
+    with pytest.raises(EngineConfigError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
         build_engine("builtin:tiny-llama", "fsdp:d1", dtype="fp8")
     with pytest.raises(EngineConfigError, match="dtype='bfloat16' conflicts with the settings' float32"):
-        build_engine(ModelSettings(path="builtin:tiny-llama"), "fsdp:d1", dtype="bfloat16")
+        build_engine(ModelSettings(path="builtin:tiny-llama", dtype="float32"), "fsdp:d1", dtype="bfloat16")
     with pytest.raises(EngineConfigError, match="unknown built-in model 'builtin:gpt-5'"):
         build_engine("builtin:gpt-5", "fsdp:d1")
     with pytest.raises(EngineConfigError, match=r"cannot load model.path ./no/such/model."):
@@ -127,13 +127,26 @@ def test_the_model_source_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert engine.source.config.vocab_size == 512
 
 
-def test_bfloat16_in_one_process_builds_bfloat16_weights() -> None:
-    # d = 1: no fully_shard, so no FSDP cast and no fp32 master weights (see parallelize.py).
+@pytest.mark.usefixtures("megatron_one_process")  # leaves no one-rank process group behind
+def test_bfloat16_in_one_process_computes_in_bf16_over_fp32_master_weights() -> None:
+    # d = 1 too: FSDP2 over a one-rank mesh casts the fp32 weights (treetrain/alloc/precision.py).
     engine = build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE, optimizer=OptimizerSettings(), dtype="bfloat16")
-    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert (engine.precision.compute, engine.precision.params, engine.precision.fsdp) == ("bfloat16", "float32", True)
+    seen: list[torch.dtype] = []
+    layer = engine.model.get_submodule("model.layers.0.mlp.down_proj")
+    layer.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
     engine.forward_backward(_batch(SEQS), PPOLoss(LossSettings()))
+    assert seen == [torch.bfloat16]
+    assert {p.grad.dtype for p in engine.model.parameters() if p.grad is not None} == {torch.float32}
     assert engine.step() > 0
     assert all(out.dtype == torch.float32 for out in engine.forward(SEQS))
+
+
+def test_auto_dtype_is_float32_on_the_cpu() -> None:
+    engine = build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE)
+    assert (engine.settings.dtype, engine.precision.fsdp) == ("float32", False)  # nothing to cast: plain modules
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
 
 
 def test_export_then_train_from_the_directory(tmp_path: Path) -> None:

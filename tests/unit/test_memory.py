@@ -1,6 +1,7 @@
 """The memory estimator (treetrain.alloc.memory) and ``treetrain memory``: hand-counted
 parameters of a tiny config under each engine's sharding, roles, MoE, ZeRO-1, the layer
-split, a layout that fits, and the CLI's JSON and errors."""
+split, the precision rule and ``auto``, what fits instead, and the CLI's JSON, exit codes,
+suggestions and errors."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_tiny_counts_single_rank() -> None:
     assert (r.parameters, r.gradients) == (4 * TOTAL, 4 * TOTAL)
     assert r.optimizer == 2 * 4 * TOTAL + 4 * TENSORS  # exp_avg, exp_avg_sq and a step per tensor
     bf16 = static("fsdp:d1", dtype="bfloat16")
-    assert (bf16.param_dtype, bf16.parameters) == ("bfloat16", 2 * TOTAL)  # d1: no FSDP cast, 16-bit weights
+    # fp32 master weights on one rank too: FSDP2 casts them to bf16 over a one-rank mesh.
+    assert (bf16.param_dtype, bf16.parameters, bf16.optimizer) == ("float32", 4 * TOTAL, r.optimizer)
 
 
 def test_tied_embeddings_count_once_and_split_over_stages() -> None:
@@ -174,7 +176,8 @@ def test_cli_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     out = json.loads(capsys.readouterr().out)
     per = out["per_rank"]
     assert set(per) == {"parameters", "gradients", "optimizer", "activations", "total"}
-    assert per["parameters"] == 2 * TOTAL and per["total"] == sum(v for k, v in per.items() if k != "total")
+    assert per["parameters"] == 4 * TOTAL and per["total"] == sum(v for k, v in per.items() if k != "total")
+    assert (out["dtype"], out["param_dtype"]) == ("bfloat16", "float32")  # auto plans GPUs: bf16 over fp32
     assert main(["memory", "--model", str(cfg), "--backend", "megatron:p2", "--max-tokens", "64"]) == 0
     text = capsys.readouterr().out
     assert "stage 1" in text and "estimate" in text

@@ -2,9 +2,10 @@
 ``.grad`` and optimizer state, counted from the engine's tensors (DTensor local shards) after
 a forward-backward and a step, within 2%, for every letter of every engine.
 
-One 2-rank gloo spawn per engine runs its layouts in turn (FSDP d2 in fp32 and bf16 with its
-fp32 master weights, t2; Archon d2, t2, c2, p2 and a hybrid MoE with e2; Megatron d2, t2,
-c2, p2, a hybrid MoE with e2, and d2 in bf16), and one 1-rank spawn runs each engine's d1. Every rank is
+One 2-rank gloo spawn per engine runs its layouts in turn (FSDP d2 and t2, each in fp32 and in
+bf16 with its fp32 master weights; Archon d2, t2, c2, p2 and a hybrid MoE with e2, and t2 and p2
+in bf16, FSDP2 casting over a one-rank data mesh; Megatron d2, t2, c2, p2, a hybrid MoE with e2,
+and d2 in bf16), and one 1-rank spawn runs each engine's d1 in fp32 and in bf16. Every rank is
 compared with the estimate of its pipeline stage (the largest rank where FSDP's uneven
 shards differ)."""
 
@@ -20,12 +21,19 @@ from megatron_models import branching_sequences, make_batch, save_model
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 TOLERANCE = 0.02
-FSDP = [("qwen3", "fsdp:d2", "float32"), ("qwen3", "fsdp:d2", "bfloat16"), ("qwen3", "fsdp:t2", "float32")]
+FSDP = [
+    ("qwen3", "fsdp:d2", "float32"),
+    ("qwen3", "fsdp:d2", "bfloat16"),
+    ("qwen3", "fsdp:t2", "float32"),
+    ("qwen3", "fsdp:t2", "bfloat16"),  # fp32 masters: FSDP2 over a one-rank data mesh
+]
 ARCHON = [
     ("qwen3", "archon:d2", "float32"),
     ("qwen3", "archon:t2", "float32"),
+    ("qwen3", "archon:t2", "bfloat16"),
     ("qwen3", "archon:c2", "float32"),
     ("qwen2", "archon:p2", "float32"),  # a tied head: one copy per stage
+    ("qwen2", "archon:p2", "bfloat16"),
     ("qwen3_moe", "archon:(attn:d2|ffn:e2)", "float32"),
 ]
 MEGATRON = [
@@ -36,7 +44,11 @@ MEGATRON = [
     ("qwen2", "megatron:p2", "float32"),
     ("qwen3_moe", "megatron:(attn:d2|ffn:e2)", "float32"),
 ]
-SINGLE = [("qwen3", "fsdp:d1", "float32"), ("qwen3", "archon:d1", "float32"), ("qwen3", "megatron:d1", "float32")]
+SINGLE = [
+    (family, f"{engine}:d1", dtype)
+    for engine in ("fsdp", "archon", "megatron")
+    for family, dtype in (("qwen3", "float32"), ("qwen3", "bfloat16"))
+]
 
 
 def _bytes(t: torch.Tensor) -> int:

@@ -1,6 +1,9 @@
 """``treetrain memory --model DIR_OR_CONFIG_JSON --backend B --max-tokens N``: memory per GPU
 of one engine before launch (parameters, gradients, optimizer state exact; activations an
-estimate)."""
+estimate), and with ``--gpu-gib`` whether it fits and what would.
+
+Exit codes: 0 (printed; with ``--gpu-gib``: it fits), 1 (``--gpu-gib`` given and the plan
+does not fit: a "no", not an error), 2 (bad input)."""
 
 from __future__ import annotations
 
@@ -11,18 +14,26 @@ from typing import Any
 
 from treetrain.alloc import AllocationError, parse
 from treetrain.alloc.memory import (
+    COMMON_GPU_GIB,
+    DEFAULT_BLOCK_SIZE,
     DTYPE_BYTES,
     GIB,
     ROLES,
+    FitChange,
     MemoryInputError,
     MemoryPlan,
+    changes_that_fit,
     estimate,
-    fitting_layout,
+    exceeds_common_gpus,
+    plan_dtype,
     read_config,
     server_weight_bytes,
 )
 
-EXAMPLES = """\
+DOES_NOT_FIT = 1  # exit code: --gpu-gib given and the plan does not fit
+BAD_INPUT = 2
+
+EXAMPLES = f"""\
 examples:
   treetrain memory --model examples/model-configs/qwen3-8b.json --backend megatron:d2t4 --max-tokens 32768
   treetrain memory --model /models/Qwen3-8B --backend fsdp:d8 --max-tokens 16384 --json
@@ -30,6 +41,11 @@ examples:
 
 Parameters, gradients and optimizer state are exact for the engine's sharding; activations
 are an estimate for one micro-batch of --max-tokens tree tokens (docs/engines.md, Memory plan).
+--dtype auto (the trainer's default) is planned as bfloat16: the trainer resolves it to
+bfloat16 on GPUs. A 16-bit dtype keeps fp32 master weights on every engine and layout.
+
+exit codes: 0 printed (with --gpu-gib: it fits), {DOES_NOT_FIT} --gpu-gib given and it does not fit
+(the output names the changes that would fit), {BAD_INPUT} bad input.
 """
 
 
@@ -37,18 +53,35 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "memory",
         help="memory per GPU of a backend layout for a model (before launch)",
-        description="Memory per GPU of one engine for a model: exit 0, or 2 on bad input.",
+        description=f"Memory per GPU of one engine for a model: exit 0, {DOES_NOT_FIT} when it does not fit "
+        f"--gpu-gib, {BAD_INPUT} on bad input.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", required=True, metavar="DIR_OR_CONFIG_JSON", help="a model directory or its config.json")
     p.add_argument("--backend", required=True, metavar="B", help="a backend string, e.g. megatron:d2t4")
     p.add_argument("--max-tokens", type=int, metavar="N", default=0, help="tree tokens of one micro-batch")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES), help="model.dtype (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *sorted(DTYPE_BYTES)],
+        help="model.dtype (default auto, planned as bfloat16 like the trainer on GPUs)",
+    )
     p.add_argument("--role", default="actor", choices=ROLES, help="actor, critic or ref (no gradients)")
     p.add_argument("--recompute", action="store_true", help="gradient checkpointing on")
     p.add_argument(
-        "--gpu-gib", type=float, metavar="G", help="also say whether it fits G GiB and name a layout that does"
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="B",
+        help=f"the attention block (actor.treeTraining.blockSize, default {DEFAULT_BLOCK_SIZE}): a suggested "
+        "--max-tokens is a multiple of lcm(B, t*c)",
+    )
+    p.add_argument(
+        "--gpu-gib",
+        type=float,
+        metavar="G",
+        help=f"say whether it fits G GiB and, if not, what would (exit {DOES_NOT_FIT} when it does not fit)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object; per_rank holds the largest rank's bytes")
     p.set_defaults(func=run)
@@ -56,6 +89,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.gpu_gib is not None and not args.gpu_gib > 0:
+            raise MemoryInputError(f"--gpu-gib {args.gpu_gib} is not > 0", "give the GPU's memory in GiB, e.g. 80")
+        if args.block_size < 1:
+            raise MemoryInputError(f"--block-size {args.block_size} is not >= 1", "give the attention block, e.g. 128")
         config = read_config(args.model)
         allocation = parse(args.backend)
         if allocation.kind == "inference":
@@ -67,13 +104,21 @@ def run(args: argparse.Namespace) -> int:
                 config, allocation, tokens=args.max_tokens, dtype=args.dtype, role=args.role, recompute=args.recompute
             )
             row = plan.to_dict()
+            if args.dtype == "auto":
+                row["notes"].insert(0, f"dtype auto is planned as {plan.dtype} (what the trainer picks on GPUs)")
             if args.gpu_gib is not None:
                 row["fit"] = _fit(config, plan, args)
+            elif exceeds_common_gpus(plan.largest.total):
+                row["warnings"] = [
+                    f"{plan.largest.total / GIB:.1f} GiB per GPU is more than every common GPU size "
+                    f"({', '.join(map(str, COMMON_GPU_GIB))} GiB); give --gpu-gib G to see what would fit"
+                ]
     except (MemoryInputError, AllocationError) as err:
         print(f"treetrain memory: error: {err}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
     print(json.dumps(row) if args.json else _text(row))
-    return 0
+    fit = row.get("fit")
+    return DOES_NOT_FIT if fit is not None and not fit["fits"] else 0
 
 
 def _server(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -81,24 +126,40 @@ def _server(config: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     weights = server_weight_bytes(config, allocation, args.dtype)
     zero = {"parameters": weights, "gradients": 0, "optimizer": 0, "activations": 0, "total": weights}
     note = "weights only: the server fills the rest of each GPU with its KV cache and CUDA graphs"
-    return {"per_rank": zero, "backend": str(allocation), "role": "rollout", "dtype": args.dtype, "notes": [note]}
+    return {
+        "per_rank": zero,
+        "backend": str(allocation),
+        "role": "rollout",
+        "dtype": plan_dtype(args.dtype),
+        "notes": [note],
+    }
 
 
 def _fit(config: dict[str, Any], plan: MemoryPlan, args: argparse.Namespace) -> dict[str, Any]:
     limit = int(args.gpu_gib * GIB)
     out: dict[str, Any] = {"gpu_bytes": limit, "fits": plan.largest.total <= limit}
     if not out["fits"]:
-        found = fitting_layout(
-            config,
-            plan.allocation,
-            limit,
-            tokens=plan.tokens,
-            dtype=plan.dtype,
-            role=plan.role,
-            recompute=plan.recompute,
-        )
-        out["fits_instead"] = str(found[0]) if found else None
+        changes = changes_that_fit(config, plan, limit, block_size=args.block_size)
+        out["changes"] = [{"change": c.change, "value": c.value, "total": c.total, "line": _line(c)} for c in changes]
+        layout = next((c.value for c in changes if c.change == "layout"), None)
+        out["fits_instead"] = layout  # the layout of the same engine that fits (None: none up to 1024 GPUs)
     return out
+
+
+def _line(c: FitChange) -> str:
+    """One suggestion: what to set (the flag here, the config key in the trainer), and its total."""
+    size = f"{c.total / GIB:.1f} GiB"
+    if c.change == "recompute":
+        return f"gradient checkpointing: --recompute (model.gradientCheckpointing: true), {size}"
+    if c.change == "dtype":
+        return f"bfloat16: --dtype {c.value} (model.dtype: {c.value}), {size}"
+    if c.change == "tokens":
+        return (
+            f"{c.value} tree tokens per micro-batch: --max-tokens {c.value} "
+            f"(actor.treeTraining.maxTokensPerMicrobatch: {c.value}), {size}"
+        )
+    gpus = c.plan.allocation.world_size
+    return f"the layout {c.value} ({gpus} GPUs): --backend {c.value}, {size}"
 
 
 def _text(row: dict[str, Any]) -> str:
@@ -113,16 +174,28 @@ def _text(row: dict[str, Any]) -> str:
         label = f"stage {s['stage']}" if len(stages) > 1 else "each rank"
         lines.append(f"{label:<14}" + "".join(f"{s[k] / GIB:>12.2f}" for k in keys))
     if "param_dtype" in row:
-        lines.append(f"parameters kept in {row['param_dtype']}")
+        lines.append(_precision_line(row))
     lines += [f"note: {n}" for n in row.get("notes", [])]
+    lines += [f"warning: {w}" for w in row.get("warnings", [])]
     fit = row.get("fit")
     if fit is not None:
-        size = f"{fit['gpu_bytes'] / GIB:.0f} GiB"
+        size = f"{fit['gpu_bytes'] / GIB:g} GiB"
         if fit["fits"]:
             lines.append(f"fits a {size} GPU")
+        elif fit["changes"]:
+            lines.append(f"does NOT fit a {size} GPU; each of these would:")
+            lines += [f"  {c['line']}" for c in fit["changes"]]
         else:
-            other = fit.get("fits_instead")
             lines.append(
-                f"does NOT fit a {size} GPU; " + (f"{other} fits" if other else "no layout up to 1024 GPUs fits")
+                f"does NOT fit a {size} GPU, and no single change (recompute, bfloat16, fewer tokens, a layout up to 1024 GPUs) makes it fit"
             )
     return "\n".join(lines)
+
+
+def _precision_line(row: dict[str, Any]) -> str:
+    params, dtype = row["param_dtype"], row["dtype"]
+    if row.get("fp32_master_weights"):
+        return f"parameters kept in {params}, fp32 master weights in the optimizer"
+    if params != dtype:
+        return f"parameters kept in {params} (fp32 master weights), computed in {dtype}"
+    return f"parameters kept in {params}"

@@ -24,7 +24,7 @@ AdvantageKind = Literal["group", "rloo", "reinforce++-baseline", "critic"]
 Aggregation = Literal["token-mean", "sequence-mean", "constant-length"]
 RatioLevel = Literal["token", "sequence"]
 BehavWeightMode = Literal["token-mask", "token-truncate", "sequence-mask", "sequence-truncate"]
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 WeightSyncMethod = Literal["distributed", "disk"]
 WeightSyncBackend = Literal["auto", "nccl", "gloo"]
 PipelineSchedule = Literal["1f1b", "gpipe"]
@@ -54,8 +54,9 @@ class ModelSettings(Section):
     )
     seed: int = Field(default=0, ge=0, description="Seed of random weights (built-in random models, value heads).")
     dtype: DType = Field(
-        default="float32",
-        description="Compute dtype; with FSDP over several ranks, bfloat16 keeps fp32 master weights.",
+        default="auto",
+        description="Compute dtype; auto: bfloat16 on CUDA, float32 on the CPU. A 16-bit dtype keeps fp32 master "
+        "weights (AdamW steps fp32) on every engine and layout.",
     )
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in the backward pass.")
     pipeline_schedule: PipelineSchedule = Field(

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from treetrain.alloc.precision import Precision, precision, resolve_dtype
 from treetrain.attention import resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import checkpoint_files as files
@@ -44,6 +45,15 @@ __all__ = [
 
 # actor: trained, log-probs; critic: trained, values; ref: frozen, log-probs.
 ROLES = ("actor", "critic", "ref")
+
+
+def with_dtype_resolved(source: ModelSource, device: torch.device) -> ModelSource:
+    """``source`` with ``model.dtype: auto`` resolved for ``device``: bfloat16 on CUDA, float32
+    on the CPU (:func:`treetrain.alloc.precision.resolve_dtype`); every engine builds from it."""
+    dtype = resolve_dtype(source.settings.dtype, cuda=device.type == "cuda")
+    if dtype == source.settings.dtype:
+        return source
+    return replace(source, settings=source.settings.model_copy(update={"dtype": dtype}))
 
 
 def check_role(role: str) -> None:
@@ -224,6 +234,7 @@ class Engine(ABC):
     block_size: int
     optim: OptimizerSettings | None  # None: forward only (a reference model)
     optimizer: torch.optim.Optimizer | None
+    precision: Precision  # the dtypes this engine computes in and keeps its weights in
 
     def __init__(
         self,
@@ -240,8 +251,10 @@ class Engine(ABC):
         on this device: that fails here, not in the first step) and the packer's capacity;
         then the engine's model (:meth:`_build`) and optimizer (:meth:`_build_optimizer`)."""
         check_role(role)
-        self.source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
+        self.source = with_dtype_resolved(source, layout.device)
         self.settings = self.source.settings
+        self.precision = precision(self.engine_name, layout.allocation.dims, self.settings.dtype)
         self.layout = layout
         self.tree = tree
         self.role = role

@@ -29,7 +29,7 @@ def build_engine(
     role: str = "actor",
     tree: TreeTrainingSettings | None = None,
     optimizer: OptimizerSettings | None = None,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> Engine:
     """The engine that runs ``backend`` (``fsdp:d4t2``, or the :class:`Allocation` config
     validation parsed it into: the trainer passes that, so a pod parses each string once)
@@ -37,7 +37,8 @@ def build_engine(
 
     ``model``: a Hugging Face model directory, ``builtin:NAME``, or full :class:`ModelSettings`
     (a string becomes ``ModelSettings(path=model, dtype=dtype)``; settings carry their own
-    dtype, and a different ``dtype`` argument is refused). ``role``: ``actor`` and ``ref``
+    dtype, and a different ``dtype`` argument is refused). ``dtype`` ``auto`` is bfloat16 on
+    CUDA and float32 on the CPU (:func:`treetrain.alloc.precision.resolve_dtype`). ``role``: ``actor`` and ``ref``
     give log-probs, ``critic`` a value model. ``tree``: packing, block size and attention
     (None: the defaults). ``optimizer``: None builds a forward-only engine (a reference
     model, or scoring). ``engine.forward(sequences)`` returns per-sequence log-probs (actor,
@@ -56,7 +57,7 @@ def build_engine(
             raise EngineConfigError("model must be a Hugging Face model directory or builtin:NAME, got ''")
         settings = ModelSettings(path=model, dtype=dtype)  # type: ignore[arg-type]  # checked above
     else:
-        if dtype not in ("float32", model.dtype):
+        if dtype not in ("auto", model.dtype):
             raise EngineConfigError(
                 f"dtype={dtype!r} conflicts with the settings' {model.dtype}; fix: set ModelSettings(dtype=...) only"
             )

@@ -84,6 +84,24 @@ def join(allocation: Allocation, *, timeout_s: float = 1800.0) -> tuple[torch.de
     return device, world
 
 
+def one_process_group(device: torch.device) -> None:
+    """A process group of one rank for a single process that has none (an in-memory store, no
+    rendezvous): megatron-core always needs one, and so does FSDP2 over a one-rank data mesh
+    (see :func:`one_rank_mesh`). Later engines of the process reuse it; the trainer destroys it
+    at the end as it does a torchrun group."""
+    if not dist.is_initialized():
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+
+
+def one_rank_mesh(device: torch.device, name: str) -> DeviceMesh:
+    """A one-rank mesh named ``name`` over this single process: what FSDP2 wraps the model over
+    when nothing is sharded but fp32 master weights are cast to a 16-bit compute dtype
+    (:mod:`treetrain.alloc.precision`)."""
+    one_process_group(device)
+    return init_device_mesh(device.type, (1,), mesh_dim_names=(name,))
+
+
 def init_distributed(allocation: Allocation, *, timeout_s: float = 1800.0) -> ParallelLayout:
     """Join torchrun's process group (once per process) and build the mesh of ``allocation``
     (from :func:`treetrain.config.check_training_backend`).

@@ -59,10 +59,10 @@ class ArchonEngine(Engine):
     engine_name = "archon"
 
     def _build(self) -> None:
-        self.compute_dtype: torch.dtype = getattr(torch, self.settings.dtype)
-        # fp32 master weights where FSDP can cast for compute (data or context ranks > 1).
-        sharded = self.layout.dp * self.layout.cp > 1
-        self.param_dtype = torch.float32 if sharded and self.compute_dtype != torch.float32 else self.compute_dtype
+        # The precision rule (treetrain/alloc/precision.py): fp32 parameters on every layout,
+        # FSDP2 casting them to a 16-bit compute dtype.
+        self.compute_dtype: torch.dtype = getattr(torch, self.precision.compute)
+        self.param_dtype: torch.dtype = getattr(torch, self.precision.params)
         self.model: nn.Module = self._build_model()
 
     def _prepare(self) -> None:
@@ -107,13 +107,7 @@ class ArchonEngine(Engine):
             if args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
                 model.output.weight = model.tok_embeddings.weight
         model.to(self.param_dtype)
-        parallelize(
-            model,
-            layout,
-            param_dtype=self.param_dtype,
-            compute_dtype=self.compute_dtype,
-            checkpointing=self.settings.gradient_checkpointing,
-        )
+        parallelize(model, layout, self.precision, checkpointing=self.settings.gradient_checkpointing)
         model.to_empty(device=layout.device)
         with torch.no_grad():
             model.get_buffer("inv_freq").copy_(rope_inv_freq(args))

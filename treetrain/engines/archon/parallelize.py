@@ -29,23 +29,21 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from treetrain.alloc import ParallelDims
+from treetrain.alloc.precision import Precision
 from treetrain.attention import TreeAttentionMeta
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import Attention, GroupedExperts, ModelArgs, MoE, Transformer, TreeAttention
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.parallel import one_rank_mesh
+from treetrain.engines.precision import mixed_precision
 
 
-def parallelize(
-    model: Transformer,
-    layout: ArchonLayout,
-    *,
-    param_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
-    checkpointing: bool,
-) -> Transformer:
+def parallelize(model: Transformer, layout: ArchonLayout, prec: Precision, *, checkpointing: bool) -> Transformer:
     """Apply the strategy in place. Tensor parallel goes first so that FSDP then shards the
     already tensor-parallel parameters (2-D); context parallel only swaps attention cores;
-    checkpointing and compile wrap whole blocks before FSDP wraps them once more."""
+    checkpointing and compile wrap whole blocks before FSDP wraps them once more. FSDP2 wraps
+    the model when ``prec.fsdp`` (data x context ranks > 1, or 16-bit compute over fp32
+    master weights: then over a one-rank mesh when nothing is sharded)."""
     if layout.mesh is not None and layout.tp > 1:
         apply_tp(model, layout.mesh["tp"])
     if layout.experts is not None:
@@ -56,14 +54,9 @@ def parallelize(
         apply_ac(model)
     if layout.device.type == "cuda":
         apply_compile(model)
-    if layout.mesh is not None and layout.dp * layout.cp > 1:
-        mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        apply_fsdp(
-            model,
-            layout.mesh["dp_cp"],
-            mp if param_dtype != compute_dtype else None,
-            experts=layout.experts,
-        )
+    if prec.fsdp:
+        mesh = layout.mesh["dp_cp"] if layout.mesh is not None else one_rank_mesh(layout.device, "dp_cp")
+        apply_fsdp(model, mesh, mixed_precision(prec), experts=layout.experts)
     return model
 
 
@@ -407,19 +400,20 @@ def apply_compile(model: Transformer) -> None:
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy | None,
+    mp_policy: MixedPrecisionPolicy,
     *,
     experts: DeviceMesh | None = None,
 ) -> None:
     """FSDP2 over the data and context ranks: each block, then the root (embeddings, norm,
-    head). ``mp_policy``: 16-bit compute over fp32 master weights, gradients reduced in fp32.
+    head). ``mp_policy``: 16-bit compute over fp32 master weights, gradients reduced in fp32
+    (:func:`treetrain.engines.precision.mixed_precision`).
 
     With expert parallel each MoE layer's experts are their own FSDP unit over the
     expert-data ranks (``edp`` of ``experts``), sharded along the model width ``d`` (which
     neither ``ep`` nor ``etp`` splits). Their gradients are summed over ``edp`` and divided
     by the data x context ranks (``mesh``'s size): every such rank's tokens reached them
     through the dispatch, so this is the same average the dense weights get."""
-    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    policy = mp_policy
     for block in model.layers.values():
         moe = getattr(block, "moe", None)
         if experts is not None and isinstance(moe, MoE):

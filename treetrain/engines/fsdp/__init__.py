@@ -1,7 +1,7 @@
 """The FSDP engine, split the way torchtitan splits a model:
 
 - :mod:`.model`: building the model from a resolved :class:`~treetrain.engines.source.ModelSource` (:func:`build_model`, :class:`ValueModel` for the critic) and loading it sharded;
-- :mod:`.parallelize`: tensor parallel, then FSDP2 with mixed precision (:func:`parallelize`);
+- :mod:`.parallelize`: tensor parallel, then FSDP2 with mixed precision over fp32 master weights (:func:`parallelize`);
 - :mod:`.engine`: :class:`FSDPEngine` (its hooks into the engine core,
   :class:`treetrain.engines.base.Engine`; the gradient norm is :mod:`treetrain.engines.grads`).
 
@@ -11,7 +11,7 @@ Build engines with :func:`treetrain.engines.build_engine`.
 from treetrain.engines.base import ROLES
 from treetrain.engines.fsdp.engine import FSDPEngine
 from treetrain.engines.fsdp.model import ValueModel, build_model, hf_config, load_sharded
-from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, mixed_precision, parallelize, param_dtype
+from treetrain.engines.fsdp.parallelize import apply_fsdp, apply_tp, parallelize
 
 __all__ = [
     "ROLES",
@@ -22,7 +22,5 @@ __all__ = [
     "build_model",
     "hf_config",
     "load_sharded",
-    "mixed_precision",
     "parallelize",
-    "param_dtype",
 ]

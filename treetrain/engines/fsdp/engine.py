@@ -35,7 +35,7 @@ class FSDPEngine(Engine):
     engine_name = "fsdp"
 
     def _build(self) -> None:
-        self.model: nn.Module = build_parallel(self.source, self.role, self.layout)
+        self.model: nn.Module = build_parallel(self.source, self.role, self.layout, self.precision)
 
     # -- one micro-batch -------------------------------------------------------------------
     def _run(self, tree: PackedTree, *, entropy: bool) -> MicroBatchRun:

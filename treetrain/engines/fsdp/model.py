@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from treetrain.alloc.precision import Precision
 from treetrain.attention import use_tree_attention
 from treetrain.config import ModelSettings
 from treetrain.engines.base import check_role
-from treetrain.engines.fsdp.parallelize import compute_dtype, parallelize, param_dtype
+from treetrain.engines.fsdp.parallelize import parallelize
 from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.precision import compute_dtype, torch_dtype
 from treetrain.engines.source import ModelSource
 
 
@@ -55,8 +57,8 @@ def build_model(
     """The model of one role: loaded from the source's directory on the CPU, or (``meta=True``,
     and for random built-in models) built from its config alone; identical on every rank.
 
-    ``dtype``: the parameters' dtype (default: ``model.dtype``; the engine passes fp32 when
-    FSDP keeps fp32 master weights, see :mod:`.parallelize`).
+    ``dtype``: the parameters' dtype (default: ``model.dtype``, ``auto`` resolved for this
+    machine; the engine passes the precision rule's, fp32: see :mod:`.parallelize`).
     """
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -87,7 +89,7 @@ def build_model(
     return model
 
 
-def load_sharded(source: ModelSource, role: str, layout: ParallelLayout) -> nn.Module:
+def load_sharded(source: ModelSource, role: str, layout: ParallelLayout, prec: Precision) -> nn.Module:
     """Several ranks, weights from a directory: build on the meta device, shard, then load.
 
     Only rank 0 reads the checkpoint (one full copy in host memory, not one per rank); every
@@ -97,9 +99,9 @@ def load_sharded(source: ModelSource, role: str, layout: ParallelLayout) -> nn.M
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    dtype = param_dtype(source.settings, layout)
+    dtype = torch_dtype(prec.params)
     full_model = build_model(source, role, dtype=dtype) if layout.is_main else None
-    model = parallelize(build_model(source, role, meta=True, dtype=dtype), layout, source.settings)
+    model = parallelize(build_model(source, role, meta=True, dtype=dtype), layout, prec)
     model.to_empty(device=layout.device)
     full = full_model.state_dict() if full_model is not None else {}
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -114,9 +116,10 @@ def load_sharded(source: ModelSource, role: str, layout: ParallelLayout) -> nn.M
     return model
 
 
-def build_parallel(source: ModelSource, role: str, layout: ParallelLayout) -> nn.Module:
-    """One role's model spread over ``layout``, on ``layout.device``, identical on every rank."""
+def build_parallel(source: ModelSource, role: str, layout: ParallelLayout, prec: Precision) -> nn.Module:
+    """One role's model spread over ``layout``, on ``layout.device``, identical on every rank;
+    parameters in ``prec.params`` (the precision rule)."""
     if layout.world_size > 1 and source.directory is not None:
-        return load_sharded(source, role, layout)
-    model = build_model(source, role, dtype=param_dtype(source.settings, layout))
-    return parallelize(model, layout, source.settings).to(layout.device)
+        return load_sharded(source, role, layout, prec)
+    model = build_model(source, role, dtype=torch_dtype(prec.params))
+    return parallelize(model, layout, prec).to(layout.device)

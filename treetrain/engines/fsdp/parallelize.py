@@ -1,44 +1,31 @@
 """How a model is spread over the ranks: tensor parallel (DTensor), then FSDP2 (``fully_shard``).
 
-Precision: with ``d > 1`` and a 16-bit ``model.dtype``, parameters are stored (and optimized)
-in fp32 and FSDP2's :class:`MixedPrecisionPolicy` casts them to the 16-bit dtype when it
-gathers them for the forward and backward passes, and reduces gradients in fp32: fp32
-master weights. With ``d = 1`` nothing is ``fully_shard``-ed, so there is no FSDP cast: the
-model is built directly in the 16-bit dtype and AdamW updates 16-bit weights (see
-:func:`param_dtype`).
+Precision (one rule for every engine, :mod:`treetrain.alloc.precision`): parameters are
+stored and optimized in fp32. With a 16-bit ``model.dtype`` FSDP2's
+:class:`MixedPrecisionPolicy` casts each layer to it when it gathers the layer for the forward
+and backward passes and reduces gradients in fp32: fp32 master weights. FSDP2 wraps the
+model whenever it shards (``d > 1``) or casts (16-bit compute), over a one-rank data mesh when
+``d = 1``, so every ``d`` runs the same code and the same numerics (why FSDP2 does the
+cast: :mod:`treetrain.engines.precision`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from treetrain.config import ModelSettings
+from treetrain.alloc.precision import Precision
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.parallel import ParallelLayout, one_rank_mesh
+from treetrain.engines.precision import mixed_precision
 
 
-def compute_dtype(settings: ModelSettings) -> torch.dtype:
-    """``model.dtype`` as a torch dtype: what the forward and backward passes run in."""
-    dtype: torch.dtype = getattr(torch, settings.dtype)
-    return dtype
-
-
-def param_dtype(settings: ModelSettings, layout: ParallelLayout) -> torch.dtype:
-    """The dtype parameters are built, stored and optimized in: fp32 under FSDP mixed
-    precision (``d > 1`` and a 16-bit ``model.dtype``), else the compute dtype."""
-    return torch.float32 if mixed_precision(settings, layout) is not None else compute_dtype(settings)
-
-
-def mixed_precision(settings: ModelSettings, layout: ParallelLayout) -> MixedPrecisionPolicy | None:
-    """FSDP2's policy (16-bit compute, fp32 gradient reduction), or None (fp32, or ``d = 1``)."""
-    if settings.dtype == "float32" or layout.dp == 1:
-        return None
-    return MixedPrecisionPolicy(param_dtype=compute_dtype(settings), reduce_dtype=torch.float32)
+def data_mesh(layout: ParallelLayout) -> DeviceMesh:
+    """The data-parallel mesh FSDP2 wraps the model over (one rank: a one-rank mesh)."""
+    return layout.mesh["dp"] if layout.mesh is not None else one_rank_mesh(layout.device, "dp")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -48,22 +35,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise EngineConfigError(f"{type(model).__name__} has no decoder `layers` list; the FSDP engine cannot shard it")
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout, settings: ModelSettings) -> nn.Module:
+def parallelize(model: nn.Module, layout: ParallelLayout, prec: Precision) -> nn.Module:
     """Apply the parallel strategy in place, in this order:
 
     1. Tensor parallel (``t > 1``): shard attention and MLP projections with DTensor. It goes
        first because FSDP then shards the already tensor-parallel parameters over the
        data-parallel dimension (2-D), not the other way round.
-    2. FSDP2 (``d > 1``): one ``fully_shard`` per decoder layer, so each layer's parameters
-       are gathered just before it runs and freed after; then the root for the rest
-       (embeddings, final norm, head). With ``d = 1`` nothing is sharded.
+    2. FSDP2 (when ``prec.fsdp``: ``d > 1`` or 16-bit compute): one ``fully_shard`` per
+       decoder layer, so each layer's parameters are gathered (and cast) just before it runs
+       and freed after; then the root for the rest (embeddings, final norm, head). With
+       ``d = 1`` and fp32 nothing is wrapped.
     """
-    if layout.mesh is None:
-        return model
     if layout.tp > 1:
+        assert layout.mesh is not None
         apply_tp(model, layout.mesh["tp"])
-    if layout.dp > 1:
-        apply_fsdp(model, layout.mesh["dp"], mixed_precision(settings, layout))
+    if prec.fsdp:
+        apply_fsdp(model, data_mesh(layout), mixed_precision(prec))
     return model
 
 
@@ -120,9 +107,8 @@ def _has(module: nn.Module, name: str) -> bool:
     return True
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
     """FSDP2 over ``mesh``: each decoder layer, then the root; ``mp_policy`` from :func:`mixed_precision`."""
-    policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)

@@ -38,6 +38,7 @@ from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
 from treetrain.engines.megatron.parallel import groups, ranks, sizes
 from treetrain.engines.megatron.schedule import run_schedule
+from treetrain.engines.precision import torch_dtype
 from treetrain.engines.source import SafetensorsFiles
 from treetrain.engines.zero import ShardedAdamW
 from treetrain.logprob import TreeTensors
@@ -77,16 +78,17 @@ class MegatronEngine(Engine):
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
         self.shape = convert.shape_of(hf, self.sizes, self.ranks)
         self._load_weights()
-        if self.settings.dtype == "bfloat16":
-            # bf16 weights and gradients (half the bytes); a trained engine steps fp32 master
-            # weights in its sharded optimizer (:func:`.grads.build_optimizer`). Buffers (RoPE
-            # frequencies) stay fp32. float16 keeps fp32 weights under autocast (no loss scaler).
+        if self.precision.params != "float32":
+            # The precision rule (treetrain/alloc/precision.py): bf16 weights and gradients
+            # (half the bytes); a trained engine steps fp32 master weights in its sharded
+            # optimizer (:func:`.grads.build_optimizer`). Buffers (RoPE frequencies) stay fp32.
+            # float16 keeps fp32 weights under autocast (no loss scaler).
             for p in self.model.parameters():
-                p.data = p.data.to(torch.bfloat16)
+                p.data = p.data.to(torch_dtype(self.precision.params))
         self.model.to(layout.device)
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
-        self.autocast = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.settings.dtype)
+        self.autocast = torch_dtype(self.precision.compute) if self.precision.compute != "float32" else None
 
     def _prepare(self) -> None:
         self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()

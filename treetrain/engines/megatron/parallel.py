@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from treetrain.alloc import Allocation
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.parallel import ParallelLayout, join
+from treetrain.engines.parallel import ParallelLayout, join, one_process_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +51,7 @@ def init_megatron(allocation: Allocation, *, timeout_s: float = 1800.0) -> Megat
     from megatron.core import parallel_state as ps
 
     device, world = join(allocation, timeout_s=timeout_s)
-    if not dist.is_initialized():  # one process
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    one_process_group(device)  # a no-op under torchrun
     if ps.model_parallel_is_initialized():
         if _CURRENT.get("group") is dist.group.WORLD and _CURRENT.get("allocation") == allocation:
             layout: MegatronLayout = _CURRENT["layout"]

@@ -1,0 +1,238 @@
+"""Memory per GPU of a training engine (or a rollout server's weights) before launch.
+
+Plain Python, no torch. Static parts (parameters, gradients, optimizer state) are exact:
+every parameter tensor from :mod:`.shapes`, sliced the way the engine slices it and counted in
+the dtype the precision rule (:mod:`.precision`) says the engine keeps it in. Activations are
+the estimate of :mod:`.activations`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from treetrain.alloc.activations import activation_bytes
+from treetrain.alloc.model import Allocation, ParallelDims
+from treetrain.alloc.precision import DTYPE_BYTES, Precision, fsdp_group, precision, resolve_dtype
+from treetrain.alloc.shapes import (
+    MemoryInputError,
+    ModelShape,
+    Param,
+    ceil_div,
+    check_layout,
+    local_numel,
+    stage_params,
+    stage_split,
+)
+
+GIB = 1024**3
+ROLES = ("actor", "critic", "ref")
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Bytes one rank holds (``stage``: its pipeline stage)."""
+
+    stage: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    param_count: int  # elements of this rank's parameter tensors
+    param_dtype: str
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+    @property
+    def static(self) -> int:
+        """Parameters, gradients and optimizer state: what does not depend on the tokens."""
+        return self.parameters + self.gradients + self.optimizer
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "total": self.total,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Per-stage memory of one engine; ``largest`` is the rank that needs the most. ``dtype``
+    is the resolved ``model.dtype`` (``auto`` planned as bfloat16: the plan is for GPUs)."""
+
+    allocation: Allocation
+    role: str
+    dtype: str
+    tokens: int
+    recompute: bool
+    ranks: tuple[RankMemory, ...]
+    notes: tuple[str, ...] = field(default=())
+    in_flight: int | None = None  # as given to estimate (None: the schedule's default)
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.total)
+
+    @property
+    def precision(self) -> Precision:
+        return precision(self.allocation.backend, self.allocation.dims, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.precision
+        return {
+            "per_rank": self.largest.to_dict(),
+            "backend": str(self.allocation),
+            "role": self.role,
+            "dtype": self.dtype,
+            "max_tokens": self.tokens,
+            "recompute": self.recompute,
+            "param_dtype": self.largest.param_dtype,
+            "fp32_master_weights": p.master,
+            "stages": [{"stage": r.stage, **r.to_dict()} for r in self.ranks],
+            "notes": list(self.notes),
+        }
+
+
+def plan_dtype(dtype: str) -> str:
+    """``model.dtype`` as the memory plan counts it: ``auto`` is bfloat16 (the plan is for
+    GPUs, where the trainer resolves it so); an unknown name is a :class:`MemoryInputError`."""
+    try:
+        return resolve_dtype(dtype, cuda=True)
+    except ValueError as err:
+        raise MemoryInputError(str(err), "use auto, bfloat16, float16 or float32") from None
+
+
+def estimate(
+    config: Mapping[str, Any] | ModelShape,
+    allocation: Allocation,
+    *,
+    tokens: int,
+    dtype: str = "auto",
+    role: str = "actor",
+    recompute: bool = False,
+    in_flight: int | None = None,
+) -> MemoryPlan:
+    """Memory per rank of ``allocation`` (a training backend) for one role.
+
+    ``tokens``: tree tokens of one micro-batch (``max_tokens_per_mb``). ``dtype``:
+    ``model.dtype`` (``auto``: bfloat16, see :func:`plan_dtype`). ``in_flight``: micro-batches
+    whose activations a pipeline stage holds at once (default: ``p``, what a 1F1B schedule's
+    first stage holds; a GPipe schedule holds every micro-batch of a step). A reference model
+    (``role="ref"``) has no gradients or optimizer state."""
+    m = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    if allocation.kind != "training":
+        raise MemoryInputError(f"{allocation} is a rollout server", "see server_weight_bytes for servers")
+    if role not in ROLES:
+        raise MemoryInputError(f"role {role!r} is not one of {', '.join(ROLES)}", "use actor, critic or ref")
+    dtype = plan_dtype(dtype)
+    if tokens < 1:
+        raise MemoryInputError(f"max tokens {tokens} is not >= 1", "give the micro-batch's tree tokens")
+    engine, dims = allocation.backend, allocation.dims
+    check_layout(m, engine, dims)
+    split = stage_split(m, engine, dims.pp, tokens=tokens, role=role) if dims.pp > 1 else [range(m.layers)]
+    prec = precision(engine, dims, dtype)
+    pbytes = DTYPE_BYTES[prec.params]
+    trained = role != "ref"
+    ranks: list[RankMemory] = []
+    for s, layers in enumerate(split):
+        first, last = s == 0, s == dims.pp - 1
+        params = stage_params(m, role, layers, first=first, last=last, tp_vocab=engine != "fsdp")
+        counts = [(p, local_numel(p, engine, dims)) for p in params]
+        numel = sum(n for _, n in counts)
+        grads = numel * pbytes + _replicated_grad_bytes(m, engine, dims, prec, first=first) if trained else 0
+        ranks.append(
+            RankMemory(
+                stage=s,
+                parameters=numel * pbytes,
+                gradients=grads,
+                optimizer=_optimizer_bytes(engine, dims, counts, prec) if trained else 0,
+                activations=activation_bytes(
+                    m,
+                    allocation,
+                    layers=layers,
+                    last=last,
+                    tokens=tokens,
+                    dtype=dtype,
+                    role=role,
+                    recompute=recompute,
+                    in_flight=(in_flight or dims.pp) if dims.pp > 1 else 1,
+                    gathered=_gathered_bytes(counts, engine, dims, prec),
+                ),
+                param_count=numel,
+                param_dtype=prec.params,
+            )
+        )
+    notes = ["activations are an estimate for one micro-batch (see docs/engines.md, Memory plan)"]
+    if dims.pp > 1:
+        notes.append(f"pipeline stages hold {in_flight or dims.pp} micro-batches' activations at once")
+    return MemoryPlan(allocation, role, dtype, tokens, recompute, tuple(ranks), tuple(notes), in_flight)
+
+
+def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, int]], prec: Precision) -> int:
+    """AdamW state: exp_avg and exp_avg_sq in the parameter dtype (fp32 by the precision
+    rule) plus a 4-byte step per tensor (torch's AdamW). Megatron's ZeRO-1 (``engines/zero.py``,
+    used as soon as the dense weights' data x context group or the experts' expert-data group
+    has several ranks, or the weights are bf16) keeps, per bucket, fp32 moments (and an fp32
+    master copy of bf16 weights) for its ``1/(d*c)`` share of the dense elements and ``1/edp``
+    share of the expert ones, and one step."""
+    if engine == "megatron":
+        dense = sum(n for p, n in counts if not p.expert)
+        expert = sum(n for p, n in counts if p.expert)
+        buckets = [(n, size) for n, size in ((dense, dims.dp * dims.cp), (expert, dims.edp)) if n]
+        if prec.master or any(size > 1 for _, size in buckets):
+            per_element = 12 if prec.master else 8
+            return sum(ceil_div(n, size) * per_element + 4 for n, size in buckets)
+    numel = sum(n for _, n in counts)
+    return 2 * numel * DTYPE_BYTES[prec.params] + 4 * len(counts)
+
+
+def _replicated_grad_bytes(m: ModelShape, engine: str, dims: ParallelDims, prec: Precision, *, first: bool) -> int:
+    """What a gradient holds beyond its parameter's shard: Archon's vocabulary-parallel
+    embedding gets a whole (replicated) ``[V, h]`` gradient on every tensor rank when FSDP
+    does not wrap the model (fp32 at ``d*c = 1``) and so nothing reduce-scatters it."""
+    if engine != "archon" or dims.tp == 1 or prec.fsdp or not first:
+        return 0
+    return (m.vocab - m.vocab // dims.tp) * m.hidden * DTYPE_BYTES[prec.params]
+
+
+def _gathered_bytes(counts: list[tuple[Param, int]], engine: str, dims: ParallelDims, prec: Precision) -> int:
+    """FSDP's working copies: the largest layer gathered whole in the compute dtype, twice
+    (the running layer and the prefetched one), and its gradient before the reduce-scatter
+    (fp32). Zero when FSDP does not wrap the model; on one rank the gathered layer is the
+    16-bit cast of the fp32 weights."""
+    if not prec.fsdp:
+        return 0
+    group = fsdp_group(engine, dims)
+    per_layer: dict[str, int] = {}
+    for p, n in counts:
+        key = p.name.split(".")[0]
+        per_layer[key] = per_layer.get(key, 0) + n * group
+    biggest = max(per_layer.values())
+    return biggest * (2 * DTYPE_BYTES[prec.compute] + 4)
+
+
+def server_weight_bytes(config: Mapping[str, Any] | ModelShape, allocation: Allocation, dtype: str = "auto") -> int:
+    """Weights per GPU of one sglang/vllm instance (``t * p`` GPUs), on its fullest GPU: layers
+    split evenly over the pipeline stages, every matrix (embedding, head and experts too)
+    over the tensor ranks. The server fills the rest of the GPU with its KV cache (its memory
+    fraction) and CUDA graphs."""
+    m = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
+    d = allocation.dims
+    per = ceil_div(m.layers, d.pp)
+    worst = 0
+    for s in range(d.pp):
+        layers = range(s * per, min(m.layers, (s + 1) * per))
+        params = stage_params(m, "actor", layers, first=s == 0, last=s == d.pp - 1, tp_vocab=True)
+        split = sum(p.numel // d.tp if p.tp_dim is not None or p.expert else p.numel for p in params)
+        worst = max(worst, split)
+    return worst * DTYPE_BYTES[plan_dtype(dtype)]
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f}"

@@ -1,0 +1,92 @@
+"""One precision rule for every engine and layout, and the one ``model.dtype: auto``.
+
+Plain Python, no torch: the engines build their models from it and the memory plan (and the
+operator's admission) counts bytes from it, so the two cannot disagree.
+
+The rule: a 16-bit ``model.dtype`` is the dtype the forward and backward passes compute in;
+the weights the optimizer steps are fp32 on every engine and every layout, because an AdamW
+update of about ``lr`` is below half a bf16 ulp of most weights and would vanish if bf16
+weights were stepped directly.
+
+- ``fsdp`` and ``archon`` keep fp32 parameters (and so fp32 gradients and AdamW moments) and
+  let FSDP2's ``MixedPrecisionPolicy`` cast each layer to the compute dtype when it gathers
+  it, with gradients reduced and accumulated in fp32. FSDP2 wraps the model whenever it
+  shards (``d > 1``; Archon ``d*c > 1``) *or* casts (16-bit compute), over a one-rank data
+  mesh when nothing is sharded: one code path for every ``d``, the same numerics as a sharded
+  run, and bytes the memory plan counts exactly (the gathered bf16 layer is a working copy).
+- ``megatron`` keeps bf16 parameters and gradients for ``bfloat16`` and an fp32 master copy in
+  its sharded optimizer (``engines/zero.py``, a group of one on one rank); ``float16`` keeps
+  fp32 parameters under autocast (there is no loss scaler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from treetrain.alloc.model import ParallelDims
+
+# Bytes per element of each dtype name ``model.dtype`` can resolve to.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+AUTO = "auto"
+# What ``auto`` becomes: 16-bit compute on GPUs, fp32 on the CPU (the CPU's bf16 is slow and
+# the CPU runs are the tests' golden numbers).
+AUTO_ON_CUDA = "bfloat16"
+AUTO_ON_CPU = "float32"
+
+
+def resolve_dtype(name: str, *, cuda: bool) -> str:
+    """``model.dtype`` as the dtype the engine computes in: ``auto`` is bfloat16 on CUDA and
+    float32 on the CPU; any other name is returned as it is (``ValueError`` for an unknown one)."""
+    if name == AUTO:
+        return AUTO_ON_CUDA if cuda else AUTO_ON_CPU
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPE_BYTES)}")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """How one engine holds and steps its weights for one (resolved) ``model.dtype``.
+
+    ``compute``: the dtype the forward and backward passes run in. ``params``: the dtype the
+    model's parameters and their gradients are stored in. ``master``: the optimizer keeps an
+    fp32 copy of each (16-bit) parameter and steps that (Megatron). ``fsdp``: FSDP2 wraps the
+    model (it shards, or it casts fp32 parameters to ``compute``). ``autocast``: the forward
+    runs under ``torch.autocast`` to ``compute`` (Megatron's float16). AdamW's moments are
+    fp32 in every case."""
+
+    compute: str
+    params: str
+    master: bool = False
+    fsdp: bool = False
+    autocast: bool = False
+
+    @property
+    def steps_fp32(self) -> bool:
+        """The optimizer updates fp32 weights (always true: the point of this rule)."""
+        return self.params == "float32" or self.master
+
+
+def fsdp_group(engine: str, dims: ParallelDims) -> int:
+    """Ranks FSDP2 shards one parameter over: ``d`` (fsdp), ``d*c`` (archon), 1 (megatron:
+    its parameters are whole on every data rank)."""
+    if engine == "fsdp":
+        return dims.dp
+    if engine == "archon":
+        return dims.dp * dims.cp
+    return 1
+
+
+def precision(engine: str, dims: ParallelDims, dtype: str) -> Precision:
+    """The precision rule for ``engine`` (``fsdp``, ``archon``, ``megatron``) on layout
+    ``dims`` with the resolved ``model.dtype`` ``dtype`` (see :func:`resolve_dtype`)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)} (resolve 'auto' first)")
+    low = dtype != "float32"
+    if engine == "megatron":
+        if dtype == "bfloat16":
+            return Precision(compute=dtype, params=dtype, master=True)
+        return Precision(compute=dtype, params="float32", autocast=low)
+    if engine in ("fsdp", "archon"):
+        return Precision(compute=dtype, params="float32", fsdp=low or fsdp_group(engine, dims) > 1)
+    raise ValueError(f"no precision rule for the {engine!r} engine")
