@@ -21,7 +21,7 @@ from rljob_operator.gpu_memory import MemoryReport, check_memory
 from rljob_operator.layout import Layout, trainer_config
 from rljob_operator.names import rollout_name, trainer_job_name
 from rljob_operator.policy import Limits, check_admission, weight_sync_problems
-from rljob_operator.spec_reader import Reading, names_a_field, read
+from rljob_operator.spec_reader import Reading, field_paths, names_a_field, read
 from treetrain.config import ConfigError, TrainConfig, validate
 
 
@@ -149,10 +149,20 @@ def _check_trainer_config(layout: Layout | None, reading: Reading) -> tuple[Trai
         return None, [_config_problem(p) for p in found]
 
 
+# A trainer config field named in a trainer message (trainer.algorithm, critic.colocated): dotted,
+# whole, not already part of a longer path.
+_CONFIG_PATH = re.compile(
+    r"(?<![\w./-])("
+    + "|".join(re.escape(p) for p in sorted((p for p in field_paths(TrainConfig) if "." in p), key=len, reverse=True))
+    + r")(?![\w])"
+)
+
+
 def _config_problem(problem: tuple[str, str]) -> FieldError:
     path, message = problem
-    # The message is the trainer's own; a field it suggests is named as the RLJob field too.
+    # The message is the trainer's own; a field it names or suggests is named as the RLJob field.
     message = re.sub(r"did you mean (\S+)\?", lambda m: suggestion(m.group(1)), message)
+    message = _CONFIG_PATH.sub(lambda m: field if names_a_field(field := rljob_path(m[1])) else m[1], message)
     return FieldError(rljob_path(path), message)
 
 

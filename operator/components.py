@@ -112,7 +112,7 @@ def build_components(engines: Engines) -> tuple[dict[str, Component], list[Field
                     f"spec.{role}.backend",
                     f"a colocated {role} runs in the actor's trainer pods, so its world size must equal the "
                     f"actor's ({mine.allocation.world_size} != {actor.allocation.world_size}); use the same world "
-                    f"size, leave backend empty, or set {role}.colocated: false",
+                    f"size, or leave backend empty (the actor's)",
                 )
             )
     return components, errors

@@ -5,6 +5,8 @@ lists every problem. Nothing else in the operator reads the raw spec."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import re
 import types
 import typing
@@ -115,8 +117,54 @@ def _pydantic_error(error: Any) -> FieldError:
         if len(error["loc"]) >= 3 and error["loc"][-3] == "resources":
             return FieldError(path, "requests and limits take cpu and memory only; the operator sets the GPUs "
                                     "from the backend (as spec.gpuResourceName)")  # fmt: skip
-        return FieldError(path, "is not a field of RLJob (check the spelling; fields are camelCase)")
+        hint = _spelling_hint(tuple(error["loc"]))
+        return FieldError(path, f"is not a field of RLJob (check the spelling; fields are camelCase){hint}")
     return FieldError(path, value_problem(error))
+
+
+def _spelling_hint(loc: tuple[Any, ...]) -> str:
+    """'; did you mean X?' for a key close to a field beside it, or named like a field elsewhere
+    in the spec (``actor.maxTokensPerMicrobatch``: ``spec.actor.treeTraining.maxTokensPerMicrobatch``)."""
+    key, where = str(loc[-1]), loc[:-1]
+    here: type[BaseModel] | None = RLJobSpec
+    for part in where:
+        if here is None:
+            return ""
+        if not isinstance(part, int):
+            info = next((f for n, f in here.model_fields.items() if part in (n, f.alias)), None)
+            here = _model(info.annotation) if info is not None else None
+    siblings = [f.alias or n for n, f in here.model_fields.items()] if here is not None else []
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.75)
+    if close:
+        return f"; did you mean {'.'.join(field_name(p) for p in ('spec', *where, close[0]))}?"
+    prefix = ".".join(field_name(p) for p in ("spec", *where))
+    elsewhere = [p for p in field_paths(RLJobSpec, "spec") if p.rsplit(".", 1)[-1].lower() == key.lower()]
+    elsewhere.sort(key=lambda p: (not p.startswith(prefix + "."), len(p)))
+    return f"; did you mean {elsewhere[0]}?" if elsewhere else ""
+
+
+def _model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds (Optional, Annotated and list unwrapped), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _model(arg)) is not None:
+            return found
+    return None
+
+
+@functools.cache
+def field_paths(model: type[BaseModel], prefix: str = "") -> tuple[str, ...]:
+    """Every field path under ``model`` (camelCase) outside lists (a hint names one field, not
+    one per item)."""
+    out: list[str] = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}.{info.alias or name}" if prefix else info.alias or name
+        out.append(path)
+        sub = _model(info.annotation)
+        if sub is not None and typing.get_origin(info.annotation) is not list:
+            out += field_paths(sub, path)
+    return tuple(out)
 
 
 def _written_sections(raw: Any) -> dict[str, Any]:
@@ -128,6 +176,8 @@ def _written_sections(raw: Any) -> dict[str, Any]:
         "ref": raw.get("ref"),
         "trainer": raw.get("trainerConfig"),
     }
+    if isinstance(found["actor"], dict):  # resources are the RLJob's, not the trainer's
+        found["actor"] = {k: v for k, v in found["actor"].items() if k != "resources"}
     # model.path is a placeholder (a broken schema may hide the real one); its problems are dropped.
     return {"model": {"path": "unchecked"}, **{k: v for k, v in found.items() if isinstance(v, dict)}}
 

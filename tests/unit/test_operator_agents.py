@@ -167,7 +167,7 @@ def test_rljob_plan_prints_the_endpoint(tmp_path: Path, capsys: pytest.CaptureFi
         ({**AGENT, "reward": "builtin:nope"}, "spec.trainerConfig.reward", "unknown built-in reward 'builtin:nope'"),
         ({**AGENT, "reward": "acme rewards"}, "spec.trainerConfig.reward", "package.module:function"),
         ({**AGENT, "agent": "acme.agents"}, "spec.trainerConfig.agent", "package.module:function"),
-        ({"agent": "acme.agents:run"}, "spec.trainerConfig.agent", "needs trainer.dataset"),
+        ({"agent": "acme.agents:run"}, "spec.trainerConfig.agent", "needs spec.trainerConfig.dataset"),
         ({"dataset": {"path": "/data/x.jsonl"}}, "spec.trainerConfig.reward", "needs a reward"),
         ({**AGENT, "reward": "builtin:regex"}, "spec.trainerConfig.rewardArgs.pattern", "needs rewardArgs.pattern"),
     ],

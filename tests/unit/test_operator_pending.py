@@ -99,8 +99,14 @@ def test_a_bigger_trainer_while_it_runs_is_pending_and_the_status_shows_what_run
         # More servers change the trainer's config (server list, weight-sync world size), which
         # the running trainer read at start; the servers themselves follow at once.
         ({"rollout": {"backend": "sglang:d4t4"}}, "Job demo-trainer: its pod template or trainer config"),
+        # Precision and recompute are the trainer config's; CPU and memory the pod template's.
+        ({"model": {"path": "Qwen/Qwen3-8B", "dtype": "float32"}}, "Job demo-trainer: its pod template or trainer"),
+        (
+            {"actor": {"backend": "fsdp:d8", "resources": {"requests": {"memory": "64Gi"}}}},
+            "Job demo-trainer: its pod template or trainer config",
+        ),
     ],
-    ids=["image", "trainer-config", "rollout"],
+    ids=["image", "trainer-config", "rollout", "dtype", "resources"],
 )
 def test_other_trainer_changes_are_pending_too(change: dict[str, Any], words: str) -> None:
     status, job = started()
