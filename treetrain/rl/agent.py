@@ -92,15 +92,17 @@ def run_agents(
     reward_runner: RewardRunner | None,
     log: Log,
     name: str = "agent",
+    on_done: Callable[[], None] | None = None,
 ) -> list[Run]:
     """Play every job concurrently on a fresh event loop in this thread, then end and discard
     their sessions (the proxy keeps nothing of them). Never raises for the agent's failures:
-    a failed run comes back with ``error`` set and one log line."""
+    a failed run comes back with ``error`` set and one log line. ``on_done`` is called as each
+    run ends (the trainer's progress count)."""
     sessions: list[tuple[str, str]] = []
     try:
         for job in jobs:  # one by one: those opened before a failure are still discarded
             sessions.append(_open_session(server, job.seed))
-        outcomes = asyncio.run(_play_all(agent, jobs, sessions, server.url, timeout_s))
+        outcomes = asyncio.run(_play_all(agent, jobs, sessions, server.url, timeout_s, on_done))
         runs = []
         for job, (sid, _), outcome in zip(jobs, sessions, outcomes, strict=True):
             _end_quietly(server, sid)
@@ -126,7 +128,12 @@ def _end_quietly(server: ProxyServer, sid: str) -> None:
 
 
 async def _play_all(
-    agent: Agent, jobs: Sequence[Job], sessions: Sequence[tuple[str, str]], url: str, timeout_s: float
+    agent: Agent,
+    jobs: Sequence[Job],
+    sessions: Sequence[tuple[str, str]],
+    url: str,
+    timeout_s: float,
+    on_done: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Each job's return value, or the exception that ended it."""
     import openai
@@ -137,6 +144,8 @@ async def _play_all(
             return await asyncio.wait_for(agent(client, dict(job.row)), timeout_s)
         finally:
             await client.close()
+            if on_done is not None:
+                on_done()
 
     return await asyncio.gather(
         *(one(job, key) for job, (_, key) in zip(jobs, sessions, strict=True)), return_exceptions=True
@@ -231,6 +240,7 @@ def play_agent_groups(
     reward_runner: RewardRunner | None,
     log: Log,
     max_new_tokens: int = 0,
+    on_done: Callable[[], None] | None = None,
 ) -> Rollouts:
     """Groups ``(g, row)`` of ``step``, ``group_size`` runs each, all on one event loop."""
     jobs = [
@@ -238,7 +248,9 @@ def play_agent_groups(
         for g, row in rows
         for run in range(group_size)
     ]
-    runs = run_agents(agent, jobs, server=server, timeout_s=timeout_s, reward_runner=reward_runner, log=log)
+    runs = run_agents(
+        agent, jobs, server=server, timeout_s=timeout_s, reward_runner=reward_runner, log=log, on_done=on_done
+    )
     parts = [
         group_rollouts(runs[k * group_size : (k + 1) * group_size], g, max_new_tokens) for k, (g, _) in enumerate(rows)
     ]

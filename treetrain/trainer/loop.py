@@ -140,6 +140,7 @@ class Trainer:
         self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
         # What the step's rollout has done (the ticker prints it), and SIGTERM's stop request.
         self.progress = RolloutProgress()
+        self.sources.progress = self.progress
         self._sigterm = False
         tree = cfg.actor.tree_training
         # The Allocation config validation parsed (check_training_backend caches it): parsed once per pod.
@@ -169,6 +170,10 @@ class Trainer:
         )
         # Asynchronous rollout (maxStaleness >= 1 needs servers): rank 0's controller, made by run().
         self.max_staleness = max_staleness(t.rollout, cfg.rollout.servers) if self.remote else 0
+        if self.remote and self.client is not None and self.max_staleness == 0:
+            # Synchronous: SIGTERM abandons the step's requests (rank 0 alone waits on servers; its
+            # RolloutStopped reaches the other ranks through the generations' broadcast).
+            self.client.stop = lambda: self._sigterm
         self.controller: RolloutController | None = None
         self.rollout_state: dict[str, Any] | None = None  # the controller's, read from the resumed checkpoint
         self._marks: dict[str, float] = {}  # rollout counters at the previous step: steps report increments

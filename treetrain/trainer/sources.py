@@ -27,6 +27,7 @@ from treetrain.config.algorithms import objective
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.rl.agent import Agent, Job, load_agent, play_agent_group, play_agent_groups, run_agents
 from treetrain.rl.collect import Generate, Rollouts, fill_informative, play_episodes, seed_of
+from treetrain.rl.progress import RolloutProgress, RolloutStopped
 from treetrain.rl.rollout import Generation, SamplingParams
 from treetrain.rl.task import Task, TaskError, load_task
 
@@ -68,7 +69,10 @@ class Lockstep:
             if box[0] is None:
                 return
             prompts, params, seed = box[0]
-            self.generate(prompts, params, seed)
+            try:
+                self.generate(prompts, params, seed)
+            except RolloutStopped:
+                continue  # rank 0 stopped too (the same token); it ends the following with stop()
 
 
 def greedy(generate: Generate) -> Generate:
@@ -111,6 +115,7 @@ class Sources:
         self.server: ProxyServer | None = None
         self.eval_server: ProxyServer | None = None
         self.lockstep: Lockstep | None = None
+        self.progress: RolloutProgress | None = None  # the trainer's: agent runs count as they end
         if t.dataset is None:
             self.task: Any = load_task(t.task, t.task_args, get_tokenizer)
             return
@@ -290,9 +295,13 @@ class Sources:
         first = self.play_agent_groups(step, range(t.groups_per_step))
         if not objective(t).dynamic_sampling:
             return first
-        return fill_informative(
-            first, lambda ids, rnd: self.play_agent_groups(step, ids), t.groups_per_step, step, log=self.log
-        )
+
+        def more(ids: Sequence[int], rnd: int) -> Rollouts:
+            if self.progress is not None:
+                self.progress.add_episodes(len(ids) * t.group_size)
+            return self.play_agent_groups(step, ids)
+
+        return fill_informative(first, more, t.groups_per_step, step, log=self.log)
 
     def play_agent_groups(self, step: int, ids: Sequence[int]) -> Rollouts:
         assert self.agent is not None and self.server is not None
@@ -308,6 +317,7 @@ class Sources:
             reward_runner=self.reward_runner,
             log=self.log,
             max_new_tokens=t.max_new_tokens,
+            on_done=self.progress.episodes_finished if self.progress is not None else None,
         )
 
     def play_agent_group(self, step: int, g: int) -> Rollouts:
