@@ -95,6 +95,16 @@ BROKEN: dict[str, tuple[str, Callable[[Path], Path], str]] = {
         lambda p: jsonl(p, GOOD, '{"prompt": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"),
         f"line 2 nests deeper than {MAX_DEPTH} levels",
     ),
+    "unclosed-100000": (  # invalid JSON too deep for Python's own parser: still the depth line
+        "a.jsonl",
+        lambda p: jsonl(p, GOOD, '{"prompt": ' + "[" * 100_000),
+        f"line 2 nests deeper than {MAX_DEPTH} levels",
+    ),
+    "quotes-after-brackets": (  # a line whose string never ends: scanned once (a rescan per quote would hang)
+        "a.jsonl",
+        lambda p: jsonl(p, GOOD, '{"prompt": ' + "[" * 70 + '"' + '\\"' * 500_000),
+        f"line 2 nests deeper than {MAX_DEPTH} levels",
+    ),
     "csv-empty-prompt": ("a.csv", lambda p: (p.write_text("prompt,answer\nhi,1\n,2\n"), p)[1], "row index 1"),
     "json-list": ("a.json", lambda p: (p.write_text(json.dumps([GOOD, {"answer": "1"}])), p)[1], "row index 1"),
     "parquet-null-answer": (
@@ -184,7 +194,8 @@ def test_depth_counts_brackets_outside_strings_only() -> None:
     assert not too_deep(("[" * MAX_DEPTH + "]" * MAX_DEPTH).encode(), MAX_DEPTH)
     assert too_deep(("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1)).encode(), MAX_DEPTH)
     assert too_deep(("{}" * 100 + '{"a": [{"b": ' * 40 + "1" + "}]" * 40 + "}").encode(), MAX_DEPTH)
-    assert not too_deep(b"[" * 100, MAX_DEPTH)  # unbalanced: the JSON parser says so
+    # Unbalanced (invalid JSON): the brackets left open count as levels.
+    assert too_deep(b"[" * 100, MAX_DEPTH) and not too_deep(b"]" * 100 + b"[[", MAX_DEPTH)
 
 
 def test_a_row_that_breaks_mid_run_names_its_index() -> None:

@@ -24,7 +24,9 @@ ROLES = ("system", "user", "assistant")
 MAX_DEPTH = 64  # nesting of a row's JSON; a list of {role, content} messages is 3 deep
 BATCH_ROWS = 4096  # rows converted to Python at once when checking loaded rows
 _BOM = b"\xef\xbb\xbf"
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# A JSON string; an unterminated one runs to the end, so every match succeeds and the scan is
+# linear (with the closing quote required, each later quote of a hostile line rescans the rest).
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _ONE_BRACKET = bytes.maketrans(b"{}", b"[]")
 
@@ -247,7 +249,7 @@ def _scan_json_lines(path: Path, rules: RowRules) -> int | None:
         text = _decode(line, number, rules)
         try:
             row = json.loads(text)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
             column = f" at column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
             raise DatasetError(
@@ -305,10 +307,12 @@ def too_deep(data: bytes, bound: int) -> bool:
     if data.count(b"[") + data.count(b"{") <= bound:
         return False
     brackets = _JSON_STRING.sub(b"", data).translate(_ONE_BRACKET, _NOT_BRACKETS)
-    for _ in range(bound):
+    for passes in range(bound):
         shorter = brackets.replace(b"[]", b"")
-        if not shorter or shorter == brackets:
-            return False  # empty: shallow enough; unchanged: unbalanced, which the JSON parser reports
+        if shorter == brackets:  # unbalanced (invalid JSON): its unclosed brackets count as open levels
+            return passes + brackets.count(b"[") > bound
+        if not shorter:
+            return False
         brackets = shorter
     return True
 
