@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from treetrain.alloc.precision import resolve_dtype
 from treetrain.config import Launch, RoleSettings, TrainConfig, check_training_backend
 from treetrain.config.algorithms import objective
 from treetrain.config.schema import max_staleness
@@ -690,10 +691,15 @@ class Trainer:
         return (
             f"training {self.cfg.model.path} on {self.sources.describe()}: {t.steps} steps, "
             f"{t.groups_per_step} groups x {t.group_size} samples, up to {self.task.max_new_tokens} new tokens "
-            f"per reply, {self.cfg.actor.backend} ({self.cfg.model.dtype}), tree packing "
+            f"per reply, {self.cfg.actor.backend} ({self._dtype()}), tree packing "
             f"{'on' if tree.enabled else 'off'} (max {tree.max_tokens_per_mb} tokens/micro-batch, attention "
             f"{self.actor.attention}), rollout {self.client.kind if self.client else 'remote'}"
         )
+
+    def _dtype(self) -> str:
+        """``model.dtype`` as it runs (``auto`` resolved), and what recompute does."""
+        dtype = resolve_dtype(self.cfg.model.dtype, cuda=self.layout.device.type == "cuda")
+        return dtype + (", recompute" if self.cfg.model.gradient_checkpointing else "")
 
     def _kept(self) -> str:
         """What a stopped run leaves to resume from, for its last line."""
