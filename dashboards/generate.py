@@ -81,11 +81,15 @@ def training() -> dashboard.Dashboard:
         f' / sum(increase({tokens}{{kind="original", {SEL}}}[$__range]))'
     )
     staleness = "treetrain_rollout_staleness"
+    length = "treetrain_response_length_tokens"
     step_bucket = f"sum by ({BY}, le) (rate(treetrain_step_duration_seconds_bucket{{{SEL}}}[$__rate_interval]))"
     board = variables(
         dashboard.Dashboard("treetrain / Training")
         .uid("treetrain-training")
-        .description("Throughput, tree-packing savings, step time, loss, reward and GPUs of each RLJob.")
+        .description(
+            "Throughput, tree-packing savings, step time, loss, reward, RL health (entropy, KL, clipping, "
+            "importance ratio, grad norm, reply length, zero-signal groups) and GPUs of each RLJob."
+        )
         .tags(["treetrain"])
         .time("now-3h", "now")
         .refresh("30s")
@@ -216,6 +220,102 @@ def training() -> dashboard.Dashboard:
                         f"max by ({BY}, stat) (treetrain_rollout_logprob_mismatch{{{SEL}}})",
                         "{{rljob}} {{stat}}",
                     )
+                ],
+                width=24,
+            ).min(0)
+        )
+        .with_row(dashboard.Row("RL health"))
+        .with_panel(
+            series(
+                "Policy entropy",
+                "Mean entropy (nats) of the policy's next-token distributions over the last step's response tokens. "
+                "A fall towards 0 means the policy has stopped exploring (collapse); a sharp rise, that it is coming "
+                "apart.",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_policy_entropy{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "KL to the reference",
+                "KL(policy || reference model) per response token of the last step (k3 estimate). Empty for runs "
+                "without a reference model (trainer.loss.klCoef 0).",
+                "short",
+                [query(f"avg by ({BY}) (treetrain_kl{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Grad norm",
+                "Gradient norm of the last step, before clipping to trainer.optimizer.maxGradNorm.",
+                "short",
+                [query(f"max by ({BY}) (treetrain_grad_norm{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Clip fraction",
+                "Share of the last step's response tokens whose update the PPO clip cut off (0 when every update "
+                "is on-policy: one update per batch, no stale rollouts).",
+                "percentunit",
+                [query(f"avg by ({BY}) (treetrain_clip_fraction{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Importance ratio",
+                "policy / proximal policy over the last step's response tokens, mean and max: 1 on-policy; a max "
+                "far above 1 + clip means updates or stale samples moved the policy a lot.",
+                "short",
+                [
+                    query(
+                        f"max by ({BY}, stat) (treetrain_importance_ratio{{{SEL}}})",
+                        "{{rljob}} {{stat}}",
+                    )
+                ],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Zero-signal groups per step",
+                "Trained groups per step whose rewards were all equal: they give GRPO-style advantages nothing to "
+                "learn from. As many as groupsPerStep means the reward never varies (a reward stuck at 0).",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}) (increase(treetrain_zero_signal_groups_total{{{SEL}}}[$__rate_interval]))"
+                        f" / sum by ({BY}) (increase(treetrain_steps_total{{{SEL}}}[$__rate_interval]))",
+                        "{{namespace}}/{{rljob}}",
+                    )
+                ],
+                width=8,
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Response length",
+                "Tokens per trained reply: the mean, and p50 and p90 from the histogram, over the interval. Replies "
+                "that all reach the task's limit are cut off; a steady climb is often reward hacking by length.",
+                "short",
+                [
+                    query(
+                        f"sum by ({BY}) (rate({length}_sum{{{SEL}}}[$__rate_interval]))"
+                        f" / sum by ({BY}) (rate({length}_count{{{SEL}}}[$__rate_interval]))",
+                        "{{rljob}} mean",
+                    ),
+                    query(
+                        f"histogram_quantile(0.5, sum by ({BY}, le) (rate({length}_bucket{{{SEL}}}[$__rate_interval])))",
+                        "{{rljob}} p50",
+                    ),
+                    query(
+                        f"histogram_quantile(0.9, sum by ({BY}, le) (rate({length}_bucket{{{SEL}}}[$__rate_interval])))",
+                        "{{rljob}} p90",
+                    ),
                 ],
                 width=24,
             ).min(0)

@@ -95,13 +95,17 @@ def _unit_helpers() -> ModuleType:
     return module
 
 
-def trainer_config(*, tree: bool) -> dict[str, Any]:
+def trainer_config(*, tree: bool, ref: bool = False) -> dict[str, Any]:
     """The unit tests' seconds-long trainer config, with steps enough to outlast the test (it is
-    stopped with SIGTERM once the queries are done) and metrics on a free loopback port."""
+    stopped with SIGTERM once the queries are done) and metrics on a free loopback port; ``ref``:
+    with a reference model and a KL term, so that treetrain_kl has samples."""
+    extra: dict[str, Any] = {"loss": {"klCoef": 0.05}} if ref else {}
     config: dict[str, Any] = _unit_helpers().small(
-        steps=100000, metrics={"enabled": True, "port": 0, "addr": "127.0.0.1"}, compareFlat=False
+        steps=100000, metrics={"enabled": True, "port": 0, "addr": "127.0.0.1"}, compareFlat=False, **extra
     )
     config["actor"]["treeTraining"]["enabled"] = tree
+    if ref:
+        config["ref"] = {}
     return config
 
 
@@ -369,7 +373,8 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
 
     with contextlib.ExitStack() as stack:
         # Both trainers start first: their start-up overlaps the cluster's work.
-        watched = Trainer(tmp_path, "watched", trainer_config(tree=True))
+        # The watched run has a reference model: the RL health row's KL panel needs one.
+        watched = Trainer(tmp_path, "watched", trainer_config(tree=True, ref=True))
         stack.callback(watched.stop)
         flat = Trainer(tmp_path, "flat", trainer_config(tree=False))
         stack.callback(flat.stop)
@@ -431,6 +436,12 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
             if waiting:
                 time.sleep(1)  # a scrape interval: the next poll sees new samples
         assert not waiting, "panels with no data:\n" + "\n".join(f"  {w}: {e}" for w, e in waiting)
+        # Every RL health signal is among the queries that just had data (a panel dropped from the
+        # dashboard would otherwise go unnoticed here).
+        queried = " ".join(e for _, e in dashboard_targets())
+        health = ("policy_entropy", "kl", "clip_fraction", "importance_ratio", "grad_norm",
+                  "response_length_tokens_bucket", "response_length_tokens_sum", "zero_signal_groups_total")  # fmt: skip
+        assert all(f"treetrain_{name}{{" in queried for name in health), queried
 
         for where, label, selector in variable_queries():
             listed = prom.api(f"label/{label}/values", **{"match[]": fill(selector, values, where)})

@@ -36,6 +36,19 @@ CONTRACT_TRAINER = {
 }
 # docs/contracts.md's "plus loss and reward gauges", as treetrain/metrics.py names them.
 LOSS_AND_REWARD = {"treetrain_loss", "treetrain_reward"}
+# The RL health signals (sample names as scraped): each has a panel in the Training dashboard's
+# "RL health" row, and tests/cluster/test_prometheus.py checks every panel has data.
+RL_HEALTH = {
+    "treetrain_policy_entropy",
+    "treetrain_kl",
+    "treetrain_clip_fraction",
+    "treetrain_importance_ratio",
+    "treetrain_grad_norm",
+    "treetrain_response_length_tokens_bucket",
+    "treetrain_response_length_tokens_sum",
+    "treetrain_response_length_tokens_count",
+    "treetrain_zero_signal_groups_total",
+}
 
 PROMQL_FUNCTIONS = {
     "sum", "avg", "max", "min", "count", "rate", "increase", "irate", "delta", "histogram_quantile",
@@ -164,7 +177,7 @@ def test_dashboards_cover_the_issue() -> None:
     """Training: tokens/s, savings, tree_token_ratio, step time, loss, reward, GPUs by component.
     Operator: RLJobs by phase, reconcile latency, errors."""
     used = {n: set().union(*(metric_names(e) for e in queries(b))) for n, b in dashboards().items()}
-    assert CONTRACT_TRAINER | LOSS_AND_REWARD | {"rljob_gpus_requested"} <= used["training"]
+    assert CONTRACT_TRAINER | LOSS_AND_REWARD | RL_HEALTH | {"rljob_gpus_requested"} <= used["training"]
     assert {
         "rljob_jobs",
         "rljob_reconcile_duration_seconds_bucket",
@@ -176,10 +189,19 @@ def test_dashboards_cover_the_issue() -> None:
 
 
 def test_trainer_exports_what_design_names() -> None:
-    """docs/contracts.md's trainer metrics, and the loss and reward gauges, are in the trainer's registry."""
-    assert trainer_samples() >= CONTRACT_TRAINER | LOSS_AND_REWARD, sorted(
-        (CONTRACT_TRAINER | LOSS_AND_REWARD) - trainer_samples()
-    )
+    """docs/contracts.md's trainer metrics, the loss and reward gauges and the RL health signals are
+    in the trainer's registry."""
+    want = CONTRACT_TRAINER | LOSS_AND_REWARD | RL_HEALTH
+    assert trainer_samples() >= want, sorted(want - trainer_samples())
+
+
+def test_the_rl_health_row_has_a_panel_per_signal() -> None:
+    board = dashboards()["training"]
+    titles = [p["title"] for p in board["panels"]]
+    row = titles.index("RL health")
+    end = next(i for i in range(row + 1, len(titles)) if board["panels"][i]["type"] == "row")
+    in_row = set().union(*(metric_names(t["expr"]) for p in board["panels"][row + 1 : end] for t in p["targets"]))
+    assert in_row >= RL_HEALTH, sorted(RL_HEALTH - in_row)
 
 
 @pytest.mark.parametrize("name", ["training", "operator"])
@@ -204,7 +226,9 @@ def test_metrics_reference_lists_every_metric() -> None:
     doc = (ROOT / "docs" / "metrics.md").read_text()
     families = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}
     trainer = {
-        n.removesuffix("_bucket") for n in CONTRACT_TRAINER | LOSS_AND_REWARD if not n.endswith(("_sum", "_count"))
+        n.removesuffix("_bucket")
+        for n in CONTRACT_TRAINER | LOSS_AND_REWARD | RL_HEALTH
+        if not n.endswith(("_sum", "_count"))
     }
     missing = sorted(n for n in families | trainer if f"`{n}`" not in doc)
     assert not missing, f"docs/metrics.md does not list {missing}"
