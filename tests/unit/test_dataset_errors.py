@@ -51,6 +51,7 @@ def cli(trainer_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # `train` sets it if unset: keep the process as it was
 
     def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()  # what writing the fixtures printed is not the command's
         code = main(list(argv))
         out = capsys.readouterr()
         return code, out.out, out.err
@@ -60,6 +61,13 @@ def cli(trainer_env: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
 
 def _parquet(path: Path, **columns: list[Any]) -> Path:
     pq.write_table(pa.table(columns), path)
+    return path
+
+
+def _saved(path: Path, **columns: list[Any]) -> Path:
+    import datasets
+
+    datasets.Dataset.from_dict(columns).save_to_disk(str(path))
     return path
 
 
@@ -106,6 +114,12 @@ BROKEN: dict[str, tuple[str, Callable[[Path], Path], str]] = {
         f"line 2 nests deeper than {MAX_DEPTH} levels",
     ),
     "csv-empty-prompt": ("a.csv", lambda p: (p.write_text("prompt,answer\nhi,1\n,2\n"), p)[1], "row index 1"),
+    "csv-not-utf8": ("a.csv", lambda p: (p.write_bytes(b"prompt,answer\nhi,1\n\xff,2\n"), p)[1], "line 3 is not UTF-8"),
+    "saved-dir-role": (
+        "saved",
+        lambda p: _saved(p, prompt=[[{"role": "tool", "content": "x"}]], answer=["1"]),
+        "row index 0",
+    ),
     "json-list": ("a.json", lambda p: (p.write_text(json.dumps([GOOD, {"answer": "1"}])), p)[1], "row index 1"),
     "parquet-null-answer": (
         "a.parquet",
