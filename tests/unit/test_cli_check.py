@@ -148,3 +148,13 @@ def test_every_problem_is_reported_at_once(tmp_path: Path, check: Any) -> None:
     assert code == 2 and len(lines) == 2, err
     assert "trainer.reward: cannot import reward module" in lines[0]
     assert f"trainer.dataset {bad}: line 2: prompt 'prompt' is an int" in lines[1]
+
+
+def test_the_documented_summary_is_what_check_prints(check: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = Path(__file__).resolve().parents[2]
+    doc = (root / "docs" / "trainer.md").read_text().splitlines()
+    start = doc.index("$ .venv/bin/treetrain check examples/trainer-gsm8k.yaml")
+    shown = doc[start + 1 : doc.index("$ .venv/bin/treetrain check broken.yaml")]
+    monkeypatch.chdir(root)  # the example's dataset paths are relative to the repository root
+    code, out, err = check("examples/trainer-gsm8k.yaml")
+    assert (code, err) == (0, "") and out.splitlines() == shown
