@@ -16,18 +16,19 @@ but an estimate above every common GPU is a warning.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from treetrain.alloc.memory import (
+    COMMON_GPU_GIB,
     GIB,
     MemoryInputError,
     MemoryPlan,
     ModelShape,
+    changes_that_fit,
     estimate,
-    fitting_layout,
+    exceeds_common_gpus,
     server_weight_bytes,
 )
 
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 # NVIDIA GPU feature discovery's node label: the memory of one GPU, in MiB.
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
 SERVER_NOTE = "weights only; the server fills the rest with its KV cache (its memory fraction) and CUDA graphs"
-# GPU sizes (GiB) of common training GPUs (A100/H100 80, RTX PRO 6000 96, H200 141, B200 192):
-# without spec.gpuMemoryGiB, an estimate above all of them is a warning.
-COMMON_GPU_GIB = (80, 96, 141, 192)
 TOKENS_FIELD = "spec.actor.treeTraining.maxTokensPerMicrobatch"
 
 
@@ -143,7 +141,7 @@ def check_memory(
             problems.append(
                 ("spec.actor.backend", f"{_need(row)} but the GPUs have {limit / GIB:.1f} GiB ({source}); {hints}")
             )
-        elif limit is None and row.per_gpu > largest:
+        elif limit is None and exceeds_common_gpus(row.per_gpu):
             hints = "; ".join(_hints(shape, plans, config, largest))
             common = ", ".join(map(str, COMMON_GPU_GIB))
             warnings.append(
@@ -179,11 +177,10 @@ def _limit(gpu_memory_gib: float | None, node_gpu_mib: int | None) -> tuple[int 
 
 
 def _settings(config: TrainConfig) -> dict[str, Any]:
-    dtype: str = config.model.dtype
     return {
         "tokens": config.actor.tree_training.max_tokens_per_mb,
-        # The operator writes auto out (layout.trainer_dtype); a config read elsewhere may still say it.
-        "dtype": "bfloat16" if dtype == "auto" else dtype,
+        # The operator writes auto out (layout.trainer_dtype); the plan reads auto as bfloat16 too.
+        "dtype": config.model.dtype,
         "recompute": config.model.gradient_checkpointing,
     }
 
@@ -225,54 +222,35 @@ def _need(row: Row) -> str:
 
 
 def _hints(shape: ModelShape, engines: list[Component], config: TrainConfig, limit: int) -> list[str]:
-    """What fits in ``limit`` per GPU, each as the RLJob field to set: the same layout with
-    recompute or bfloat16, the actor's engine sliced otherwise (the colocated engines keep their
-    share), a smaller micro-batch cap."""
+    """What fits in ``limit`` per GPU, each as the RLJob field to set: the single changes of
+    ``treetrain.alloc.memory.changes_that_fit`` (recompute, bfloat16, a smaller micro-batch cap,
+    a layout of the same engine; the colocated engines keep their static share), or else
+    recompute and bfloat16 together."""
     settings = _settings(config)
+    plans = _trainer_plans(shape, engines, settings)
+    actor = plans[0]
+    others = sum(p.largest.total - p.largest.activations for p in plans[1:])
+    changes = changes_that_fit(shape, actor, max(limit - others, 1), block_size=config.actor.tree_training.block_size)
     hints = []
-    # Precision and recompute first: the same GPUs, the same batches.
-    options: list[dict[str, Any]] = []
-    if not settings["recompute"]:
-        options.append({"recompute": True})
-    if settings["dtype"] == "float32":
-        options.append({"dtype": "bfloat16"})
-        if not settings["recompute"]:
-            options.append({"recompute": True, "dtype": "bfloat16"})
-    for option in options:
-        need = _per_gpu(_trainer_plans(shape, engines, {**settings, **option}))
-        if need <= limit:
-            fields = {"recompute": "spec.model.gradientCheckpointing: true", "dtype": "spec.model.dtype: bfloat16"}
-            hints.append(f"with {' and '.join(fields[k] for k in option)} it needs about {need / GIB:.1f} GiB")
-            break
-    actor = estimate(shape, engines[0].allocation, role=engines[0].role, **settings)
-    others = sum(p.largest.total - p.largest.activations for p in _trainer_plans(shape, engines[1:], settings))
-    found = fitting_layout(shape, actor.allocation, max(limit - others, 1), role=actor.role, **settings)
-    if found is not None:
-        alloc, plan = found
-        hints.append(f"{alloc} fits ({plan.largest.total / GIB:.1f} GiB for the actor)")
-    # The trainer takes caps that are multiples of lcm(blockSize, t*c).
-    step = math.lcm(config.actor.tree_training.block_size, actor.allocation.alignment)
-    if (tokens := _fitting_tokens(shape, engines, settings, step, limit)) is not None:
-        need = _per_gpu(_trainer_plans(shape, engines, {**settings, "tokens": tokens}))
-        hints.append(f"with {TOKENS_FIELD}: {tokens} it needs about {need / GIB:.1f} GiB")
+    for c in changes:
+        need = (c.total + others) / GIB
+        if c.change == "layout":
+            hints.append(f"{c.value} fits ({c.total / GIB:.1f} GiB for the actor)")
+        else:
+            hints.append(f"with {_FIELDS[c.change]}: {c.value} it needs about {need:.1f} GiB")
+    precision = any(c.change in ("recompute", "dtype") for c in changes)
+    if not precision and not settings["recompute"] and actor.dtype == "float32":
+        both = _per_gpu(_trainer_plans(shape, engines, {**settings, "recompute": True, "dtype": "bfloat16"}))
+        if both <= limit:
+            hints.insert(0, f"with {_FIELDS['recompute']}: true and {_FIELDS['dtype']}: bfloat16 it needs about "
+                            f"{both / GIB:.1f} GiB")  # fmt: skip
     if not hints:
         hints.append(
-            f"no {actor.allocation.backend} layout up to 1024 GPUs fits, nor {actor.allocation} with {TOKENS_FIELD} "
-            f"down to {step}: try another engine or a larger GPU"
+            f"no single change fits: no {actor.allocation.backend} layout up to 1024 GPUs, no smaller {TOKENS_FIELD}"
+            f"{'' if settings['recompute'] else ', no spec.model.gradientCheckpointing'}; try another engine or a "
+            "larger GPU"
         )
     return hints
 
 
-def _fitting_tokens(
-    shape: ModelShape, engines: list[Component], settings: dict[str, Any], step: int, limit: int
-) -> int | None:
-    """The largest micro-batch cap below the current one, a multiple of ``step``, with which the
-    trainer fits in ``limit`` (None: not even ``step``)."""
-    low, high = 0, (settings["tokens"] - 1) // step  # multiples of step: low fits (0: none), high + 1 does not
-    while low < high:
-        mid = (low + high + 1) // 2
-        if _per_gpu(_trainer_plans(shape, engines, {**settings, "tokens": mid * step})) <= limit:
-            low = mid
-        else:
-            high = mid - 1
-    return low * step if low else None
+_FIELDS = {"recompute": "spec.model.gradientCheckpointing", "dtype": "spec.model.dtype", "tokens": TOKENS_FIELD}

@@ -11,6 +11,7 @@ from typing import Any
 from rljob_operator.components import Component
 from rljob_operator.models import RLJobSpec, RolloutEngine
 from rljob_operator.names import CHECKPOINT_DIR, MODEL_DIR, rollout_name, trainer_job_name, trainer_service_name
+from treetrain.alloc.precision import resolve_dtype
 from treetrain.config import TrainConfig
 
 EPHEMERAL_CHECKPOINTS = (
@@ -177,11 +178,8 @@ def trainer_dtype(layout: Layout) -> str:
     """``spec.model.dtype`` as the trainer config's ``model.dtype``: ``auto`` is bfloat16 when the
     trainer pods request GPUs (the actor's allocation gives each pod at least one), float32 when
     they request none. Written out, so the ConfigMap and ``rljob plan`` say what the pods run."""
-    dtype = layout.spec.model.dtype
-    if dtype != "auto":
-        return dtype
     actor = layout.components.get("actor")
-    return "float32" if actor is not None and actor.pods.gpus_per_pod == 0 else "bfloat16"
+    return resolve_dtype(layout.spec.model.dtype, cuda=actor is None or actor.pods.gpus_per_pod > 0)
 
 
 def _weight_sync_config(layout: Layout) -> dict[str, Any]:

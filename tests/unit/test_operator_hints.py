@@ -278,7 +278,7 @@ def test_the_refusal_hints_are_fields_to_set() -> None:
     (huge,) = messages(*BAD["a million tokens"])
     assert "with spec.actor.treeTraining.maxTokensPerMicrobatch: " in huge
     (nothing,) = [m for m in messages(*BAD["nothing fits 1 GiB"]) if m.startswith("spec.actor.backend")]
-    assert "no fsdp layout up to 1024 GPUs fits, nor fsdp:d8 with spec.actor.treeTraining" in nothing
+    assert "no single change fits: no fsdp layout up to 1024 GPUs, no smaller spec.actor.treeTraining" in nothing
     servers = [m for m in messages(*BAD["servers too big"]) if "weights alone" in m]
     assert [m.split(":")[0] for m in servers] == ["spec.rollout.backend", "spec.additionalRollouts[0].backend"]
     (warning,) = messages(manifest(FP32, gpuMemoryGiB=None), {})  # no GPU size: a warning, same hints
