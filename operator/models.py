@@ -36,8 +36,6 @@ DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
 MAX_TTL_SECONDS = 10 * 366 * 86400  # ten years: larger values overflow date arithmetic
 
 Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
-# The trainer's dtypes and auto: the operator writes bfloat16 for trainer pods with GPUs, float32 without.
-ModelDType = Literal["auto", DType]
 
 
 class _Model(BaseModel):
@@ -112,7 +110,8 @@ class ModelStorage(_Model):
         description="The model's Hugging Face config.json, inline (optional): admission then estimates each "
         "component's memory per GPU and refuses a layout that cannot fit.",
     )
-    dtype: ModelDType = Field(
+    # auto: the operator writes bfloat16 for trainer pods with GPUs (layout.trainer_dtype).
+    dtype: DType = Field(
         default="auto",
         description="The trainer's model.dtype (compute dtype; bfloat16 keeps fp32 master weights where FSDP "
         "shards them): auto is bfloat16 in trainer pods with GPUs, float32 in pods without.",
