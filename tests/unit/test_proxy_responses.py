@@ -109,7 +109,7 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(renderer: ChatRenderer) 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
         ({"previous_response_id": "resp_abc"}, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -131,8 +131,26 @@ def test_what_responses_does_not_support_gets_400_naming_it(
     assert param.split(".")[0] in got["error"]["message"]
 
 
+def test_a_streamed_response_is_the_same_response_as_events(renderer: ChatRenderer) -> None:
+    script = Scripted(renderer, [CALL, ANSWER])
+    with serving(script, renderer) as server:
+        _, key = new_session(server)
+        with OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as client:
+            with client.responses.create(model="m", input="What is 2 + 3?", tools=[ADD], stream=True) as stream:
+                calls = [e.type for e in stream]
+            with client.responses.create(model="m", input="2 + 3?", stream=True) as stream:
+                events = list(stream)
+    assert calls[:2] == ["response.created", "response.in_progress"] and calls[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in calls
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert events[-1].type == "response.completed" and deltas == final.output_text == ANSWER
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
 def test_the_agents_sdk_default_model_runs_through_the_responses_api(renderer: ChatRenderer) -> None:
-    """``Agent(model="...")`` with the SDK's OpenAIProvider: its default is the Responses API."""
+    """``Agent(model="...")`` with the SDK's OpenAIProvider: its default is the Responses API. Run
+    twice: ``Runner.run`` and ``Runner.run_streamed`` (streamed events)."""
     set_tracing_disabled(True)
     script = Scripted(renderer, [CALL, ANSWER])
     seen: list[tuple[int, int]] = []
@@ -146,17 +164,24 @@ def test_the_agents_sdk_default_model_runs_through_the_responses_api(renderer: C
     with serving(script, renderer) as server:
         sid, key = new_session(server)
 
-        async def run() -> str:
+        async def run(streamed: bool) -> str:
             async with AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0) as client:
                 agent = Agent(name="adder", instructions="Add numbers with the add tool.", tools=[add], model="policy")
                 config = RunConfig(model_provider=OpenAIProvider(openai_client=client))
-                result = await Runner.run(agent, "What is 2 + 3?", run_config=config)
+                if not streamed:
+                    return str((await Runner.run(agent, "What is 2 + 3?", run_config=config)).final_output)
+                result = Runner.run_streamed(agent, "What is 2 + 3?", run_config=config)
+                kinds = {event.type async for event in result.stream_events()}
+                assert "raw_response_event" in kinds
                 return str(result.final_output)
 
-        final = asyncio.run(run())
+        final = asyncio.run(run(streamed=False))
         records = samples(server, sid, key)
         snap = server.stats.snapshot()
-    assert final == ANSWER and seen == [(2, 3)]
+        script.calls.clear()  # the streamed run: the same script again
+        streamed = asyncio.run(run(streamed=True))
+        assert len(samples(server, sid, key)) == 4
+    assert final == streamed == ANSWER and seen == [(2, 3), (2, 3)]
     assert (
         snap["durations"]["responses"]["buckets"][-1] == 2 and snap["durations"]["chat_completions"]["buckets"][-1] == 0
     )

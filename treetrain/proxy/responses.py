@@ -4,11 +4,13 @@ A request becomes chat messages (``instructions`` a system message; each turn's 
 and ``function_call`` items one assistant message; ``function_call_output`` a tool message) and
 is sampled and recorded exactly as a chat completion, so a turn that sends back the items of an
 earlier response unchanged extends that response's tokens exactly. Output items come back the other
-way. Nothing is stored between requests: the whole conversation comes in ``input`` each time.
+way (``stream: true``: the same Response as server-sent events, the whole text in one delta).
+Nothing is stored between requests: the whole conversation comes in ``input`` each time.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -43,6 +45,7 @@ class Call:
     tools: list[dict[str, Any]] | None
     choice: ToolChoice
     options: Options
+    stream: bool = False
     echo: dict[str, Any] = field(default_factory=dict)
 
 
@@ -51,10 +54,9 @@ def parse(body: dict[str, Any], cap: int) -> Call:
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise BadRequest(f"{name} is not supported by /v1/responses: {why}", name)
-    if body.get("stream") is True:
-        raise BadRequest(
-            "stream: true is not supported by /v1/responses: send stream false (or leave it out)", "stream"
-        )
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest("stream must be true or false", "stream")
     check_fields(body, FIELDS, "/v1/responses")
     text = body.get("text")
     if text is not None:
@@ -81,7 +83,7 @@ def parse(body: dict[str, Any], cap: int) -> Call:
         "metadata": body.get("metadata") or {},
         "user": body.get("user"),
     }
-    return Call(messages, tools or None, choice, options, echo)
+    return Call(messages, tools or None, choice, options, bool(stream), echo)
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:
@@ -246,3 +248,37 @@ def response_object(call: Call, done: Completed, model: str) -> dict[str, Any]:
         "store": False,
         **call.echo,
     }
+
+
+def event_stream(obj: dict[str, Any]) -> str:
+    """The Response as the Responses API streams one: created, in progress, each output item added
+    (a message's whole text, a call's whole arguments in one delta) and done, then completed (or
+    incomplete) with the whole Response."""
+    numbers = itertools.count()
+    events: list[dict[str, Any]] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append({"type": kind, "sequence_number": next(numbers), **fields})
+
+    head = obj | {"status": "in_progress", "output": [], "usage": None, "incomplete_details": None}
+    emit("response.created", response=head)
+    emit("response.in_progress", response=head)
+    for i, item in enumerate(obj["output"]):
+        if item["type"] == "message":
+            emit("response.output_item.added", output_index=i, item=item | {"status": "in_progress", "content": []})
+            part = item["content"][0]
+            at = {"item_id": item["id"], "output_index": i, "content_index": 0}
+            emit("response.content_part.added", **at, part=part | {"text": ""})
+            emit("response.output_text.delta", **at, delta=part["text"], logprobs=[])
+            emit("response.output_text.done", **at, text=part["text"], logprobs=[])
+            emit("response.content_part.done", **at, part=part)
+        elif item["type"] == "function_call":
+            emit("response.output_item.added", output_index=i, item=item | {"status": "in_progress", "arguments": ""})
+            at = {"item_id": item["id"], "output_index": i}
+            emit("response.function_call_arguments.delta", **at, delta=item["arguments"])
+            emit("response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"])
+        else:  # reasoning: added whole
+            emit("response.output_item.added", output_index=i, item=item)
+        emit("response.output_item.done", output_index=i, item=item)
+    emit("response.completed" if obj["status"] == "completed" else "response.incomplete", response=obj)
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events)

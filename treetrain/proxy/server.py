@@ -263,7 +263,7 @@ class ProxyServer:
         call = responses.parse(body, self.limits.max_tokens)
         done = self.complete_chat(session, call.messages, call.tools, call.choice, call.options, "resp")
         obj = responses.response_object(call, done, call.options.model or self.model_name)
-        return _counted(Response(200, obj), done.usage)
+        return _counted(Response(200, responses.event_stream(obj) if call.stream else obj), done.usage)
 
     def complete_chat(
         self,
