@@ -261,6 +261,31 @@ def test_concurrent_sessions_render_as_a_serial_run(smollm2: Any) -> None:
         assert list(pool.map(conversation, range(8))) == serial
 
 
+@pytest.mark.parametrize(
+    ("name", "opening", "after_name"),
+    [
+        ("smollm2", '<tool_call>\n{"name": "', '", "arguments":'),  # writes no calls: the Hermes opening
+        ("qwen2.5", '<tool_call>\n{"name": "', '", "arguments":'),
+        ("qwen3", '<think>\n\n</think>\n\n<tool_call>\n{"name": "', '", "arguments":'),
+        ("llama3.1", '{"name": "', '", "parameters":'),
+    ],
+)
+def test_the_forced_tool_call_opening_is_read_off_the_template(
+    smollm2: Any, name: str, opening: str, after_name: str
+) -> None:
+    """tool_choice required / named: the reply starts with the opening; opening + what the model then
+    writes reads as the call."""
+    tokenizer = tokenizer_for(smollm2, name)
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.call_opening(None)[0] == opening
+    text, ids = renderer.call_opening("get_weather")
+    assert text == opening + "get_weather" + after_name
+    assert ids == list(tokenizer.encode(text, add_special_tokens=False))
+    rest = ' {"city": "Paris"}}' + ("\n</tool_call>" if "tool_call" in opening else "")
+    reply = renderer.reply([*ids, *sample(tokenizer, rest, name)], "stop")
+    assert [c["function"] for c in reply.tool_calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+
+
 def test_stop_tokens_and_fresh_render(smollm2: Any) -> None:
     stops = ChatRenderer(tokenizer_for(smollm2, "smollm2")).stop_token_ids
     assert stops[0] == smollm2.eos_token_id == smollm2.convert_tokens_to_ids("<|im_end|>")
