@@ -26,11 +26,13 @@ from treetrain.engines.base import MicroBatchOutput
 
 STEPS = 10
 LR = 1e-5
-TREE = {"max_tokens_per_mb": 64, "block_size": 16}
+TREE = {"max_tokens_per_mb": 128, "block_size": 16}
 # bf16's drop within this fraction of fp32's. Measured (2-core CPU): fp32 falls by 0.0342 on
-# every engine; with fp32 masters bf16 falls by 0.0339-0.0341 (within 1%); bf16 weights stepped
-# directly (fsdp and archon before the rule) fell by 0.0063 (18%).
-TOLERANCE = 0.05
+# every engine; with fp32 masters bf16 falls by 0.0338-0.0342 (within 1.1%); bf16 weights
+# stepped directly (fsdp and archon, d1 and t2, before the rule) fell by 0.0061-0.0064 (82%
+# off). The margin is for Megatron's bf16 weights, which follow their fp32 masters in steps of
+# a bf16 ulp (its drop lags by up to a third at 5 steps).
+TOLERANCE = 0.15
 ENGINES = ("fsdp", "archon", "megatron")
 
 
