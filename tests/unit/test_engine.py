@@ -4,6 +4,7 @@ a saved causal LM, and one-line errors for layouts no engine here runs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,7 @@ def test_the_model_source_is_resolved_once(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.usefixtures("megatron_one_process")  # leaves no one-rank process group behind
-def test_bfloat16_in_one_process_computes_in_bf16_over_fp32_master_weights() -> None:
+def test_bfloat16_in_one_process_computes_in_bf16_over_fp32_master_weights(tmp_path: Path) -> None:
     # d = 1 too: FSDP2 over a one-rank mesh casts the fp32 weights (treetrain/alloc/precision.py).
     engine = build_engine("builtin:tiny-llama", "fsdp:d1", tree=TREE, optimizer=OptimizerSettings(), dtype="bfloat16")
     assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
@@ -141,6 +142,12 @@ def test_bfloat16_in_one_process_computes_in_bf16_over_fp32_master_weights() -> 
     assert {p.grad.dtype for p in engine.model.parameters() if p.grad is not None} == {torch.float32}
     assert engine.step() > 0
     assert all(out.dtype == torch.float32 for out in engine.forward(SEQS))
+    # Rollout servers get model.dtype, not the masters: bf16 tensors, a bf16 config.
+    engine.export_hf(tmp_path)
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_auto_dtype_is_float32_on_the_cpu() -> None:

@@ -12,6 +12,7 @@ same trees. The lifecycle (micro-batch loop, stats, step, checkpoints) is the co
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from treetrain.attention import TreeAttentionMeta, tree_forward
 from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.model import build_parallel
+from treetrain.engines.precision import torch_dtype
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackedTree
 
@@ -69,23 +71,34 @@ class FSDPEngine(Engine):
 
     # -- Hugging Face weights --------------------------------------------------------------
     def export_hf(self, path: Path) -> None:
-        """Full (unsharded) weights as safetensors + config; rank 0 writes, every rank joins."""
+        """Full (unsharded) weights as safetensors + config, in ``model.dtype`` (the compute
+        dtype, not the fp32 master weights); rank 0 writes, every rank joins."""
         state = self.hf_weights()
         if state is not None:
             path.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(str(path), state_dict=state)  # type: ignore[operator]
+            config_file = path / "config.json"
+            config = json.loads(config_file.read_text())
+            config["dtype"] = self.precision.compute  # what the weights are, not the masters'
+            config.pop("torch_dtype", None)
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
         if self.layout.world_size > 1:
             dist.barrier()
 
     def hf_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full (unsharded) weights by Hugging Face name, gathered to rank 0's CPU; every rank joins."""
+        """Full (unsharded) weights by Hugging Face name in ``model.dtype`` (what rollout servers
+        load: fp32 master weights are cast, as Archon's export does), gathered to rank 0's CPU;
+        every rank joins."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.role == "critic":
             raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)} if self.layout.is_main else None
+        if not self.layout.is_main:
+            return None
+        dtype = torch_dtype(self.precision.compute)
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients by parameter name (tests and parity scripts)."""
