@@ -39,7 +39,7 @@ def test_the_ticker_prints_rollout_progress_then_the_phase() -> None:
     progress.decoded(234)
     progress.episodes_finished(5)
     now = time.monotonic()
-    assert ticker.line(now).startswith("step   7/100 | rollout: 5/32 episodes finished, 1,234 tokens generated | ")
+    assert ticker.line(now).startswith("progress: step   7/100 | rollout: 5/32 episodes finished, 1,234 tokens generated | ")
     ticker.enter("training")
     assert "| training (rollout took " in ticker.line(now + 1)
 
@@ -53,7 +53,7 @@ def test_the_ticker_says_lines_at_once_and_ticks_on_its_period() -> None:
         ticker.begin_step(1, episodes=4)
         ticker.say("SIGTERM received: stopping")
         deadline = time.monotonic() + 60
-        while sum(line.startswith("step 1/2 | rollout") for line in lines) < 2:
+        while sum(line.startswith("progress: step 1/2 | rollout") for line in lines) < 2:
             assert time.monotonic() < deadline, lines
             time.sleep(0.05)  # polling a condition, with a deadline
         assert "SIGTERM received: stopping" in lines
@@ -268,7 +268,7 @@ def test_sigterm_during_a_rollout_keeps_the_last_step_and_the_run_resumes(tmp_pa
     run = _Run(tmp_path, raw)
     try:
         run.wait_for(lambda line: line.startswith("step 1/3 | reward"), 600)
-        run.wait_for(lambda line: line.startswith("step 2/3 | rollout"), 300)
+        run.wait_for(lambda line: line.startswith("progress: step 2/3 | rollout"), 300)
         assert run.sigterm_and_wait(60) < 60
     finally:
         run.kill()

@@ -70,7 +70,8 @@ class Ticker:
     def line(self, now: float) -> str:
         """The progress line of the step in progress."""
         width = len(str(self.total_steps))
-        head = f"step {self.step:>{width}}/{self.total_steps} |"
+        # Not "step N/M |": that is the step line's start, which scripts and tests pick out.
+        head = f"progress: step {self.step:>{width}}/{self.total_steps} |"
         if self.phase == "rollout":
             done, total, tokens = self.progress.snapshot()
             what = f"rollout: {done}/{total} episodes finished, {tokens:,} tokens generated"

@@ -3,11 +3,15 @@ health checks, spreading prompts over servers, and the requests of distributed w
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
+import socket
+import sys
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,16 +49,53 @@ def auth_headers(env: dict[str, str] | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+class DeadlineExceeded(TimeoutError):
+    """A request that had no complete answer within its deadline (the whole request, not one read)."""
+
+
 def http_json(method: str, url: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
-    """One JSON request; returns (status, parsed body or text). Connection errors raise OSError."""
+    """One JSON request; returns (status, parsed body or text). ``timeout`` bounds the whole
+    request, connection to the last byte: a server that trickles its answer is cut off at the
+    deadline (:class:`DeadlineExceeded`), where a per-read timeout would wait for ever. Connection
+    errors raise OSError (DeadlineExceeded is one). Rollout servers are dialled directly, never
+    through an HTTP proxy from the environment."""
+    parts = urllib.parse.urlsplit(url)
+    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(parts.hostname or "", parts.port, timeout=timeout)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     data = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json", **auth_headers()}
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    expired = threading.Event()
+    held: list[socket.socket] = []
+
+    def cut() -> None:  # at the deadline: wake the read blocked on this socket
+        expired.set()
+        for sock in held:  # the connection's own: http.client drops conn.sock once the answer is read
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
+        conn.connect()  # bounded by ``timeout`` itself
+        held.append(conn.sock)
+        if expired.is_set():
+            cut()
+        conn.request(method, target, body=data, headers=headers)
+        resp = conn.getresponse()
+        status, raw = resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as err:
+        if expired.is_set():
+            raise DeadlineExceeded(f"no complete answer within {timeout:g}s") from None
+        if isinstance(err, OSError):
+            raise
+        raise ConnectionError(f"{type(err).__name__}: {err}") from None  # a torn answer is a connection error
+    finally:
+        timer.cancel()
+        conn.close()
+    if expired.is_set():
+        raise DeadlineExceeded(f"no complete answer within {timeout:g}s")
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:
@@ -98,6 +139,16 @@ class HTTPRollout(RolloutClient):
         for attempt in range(self.retries + 1):
             try:
                 status, payload = self.transport(method, endpoint + path, body, self.timeout_s)
+            except DeadlineExceeded as err:
+                # Slow, not down: another try here would cost the whole deadline again. The caller
+                # fails over to the next server (a generation) or fails (anything else).
+                print(
+                    f"rollout: {method} {endpoint}{path}: {err} (trainer.rollout.timeoutSeconds); "
+                    "giving up on this server for the request",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise ServerUnavailable(f"{method} {endpoint}{path} failed: {err}") from None
             except OSError as err:
                 last = f"{type(err).__name__}: {err}"
             else:
