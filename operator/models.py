@@ -113,8 +113,8 @@ class ModelStorage(_Model):
     # auto: the operator writes bfloat16 for trainer pods with GPUs (layout.trainer_dtype).
     dtype: DType = Field(
         default="auto",
-        description="The trainer's model.dtype (compute dtype; bfloat16 keeps fp32 master weights where FSDP "
-        "shards them): auto is bfloat16 in trainer pods with GPUs, float32 in pods without.",
+        description="The trainer's model.dtype, the dtype it computes in (a 16-bit one keeps fp32 master weights "
+        "on every engine and layout): auto is bfloat16 in trainer pods with GPUs, float32 in pods without.",
     )
     gradient_checkpointing: bool = Field(
         default=False,

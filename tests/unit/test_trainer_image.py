@@ -247,7 +247,7 @@ def test_trainer_dockerfile() -> None:
     ins = instructions(ROOT / "trainer-image" / "Dockerfile")
     assert any(k == "ARG" and a.startswith("BASE_IMAGE=pytorch/pytorch:") and "cuda" in a for k, a in ins)
     runs = " ".join(a for k, a in ins if k == "RUN")
-    assert '"/opt/treetrain[train,megatron]"' in runs and "sglang" in runs and "vllm" in runs
+    assert '"/opt/treetrain[train,megatron,tracking]"' in runs and "sglang" in runs and "vllm" in runs
     copies = [a for k, a in ins if k == "COPY"]
     assert "--chmod=0755 trainer-image/entrypoint.py /usr/local/bin/treetrain-entrypoint" in copies
     assert [a for k, a in ins if k == "ENTRYPOINT"] == ['["treetrain-entrypoint"]']
