@@ -56,15 +56,23 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         entropy_M = (lse_N - mean_N)[pred_M] if with_entropy else logp_M.new_zeros(0)
         ctx.save_for_backward(x_NW, pred_M, local_M, mine_M, lse_N, mean_N)
         ctx.with_entropy = with_entropy
+        # An output the loss does not use (the entropy, reported but unweighted) arrives in the
+        # backward as None, not as zeros: no work is done for it.
+        ctx.set_materialize_grads(False)
         return logp_M, entropy_M
 
     @staticmethod
-    def backward(ctx: Any, grad_logp_M: torch.Tensor, grad_ent_M: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_logp_M: torch.Tensor | None, grad_ent_M: torch.Tensor | None) -> tuple[Any, ...]:
         x_NW, pred_M, local_M, mine_M, lse_N, mean_N = ctx.saved_tensors
         n = x_NW.shape[0]
+        use_ent = ctx.with_entropy and grad_ent_M is not None and grad_ent_M.numel() > 0
+        if grad_logp_M is None:
+            if not use_ent:
+                return None, None, None, None, None, None
+            grad_logp_M = torch.zeros(pred_M.shape[0], dtype=torch.float32, device=x_NW.device)
         rows_N = torch.zeros(n, dtype=torch.float32, device=x_NW.device).index_add_(0, pred_M, grad_logp_M.float())
-        use_ent = ctx.with_entropy and grad_ent_M.numel() > 0
         if use_ent:
+            assert grad_ent_M is not None
             ent_N = torch.zeros(n, dtype=torch.float32, device=x_NW.device).index_add_(0, pred_M, grad_ent_M.float())
         grad_NW = torch.empty_like(x_NW)
         for r0 in range(0, n, CHUNK):
