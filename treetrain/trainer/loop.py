@@ -166,6 +166,8 @@ class Trainer:
         self.loss = PPOLoss(t.loss, objective(t))  # the algorithm's preset resolved
         self.value_loss = ValueLoss(t.value_loss)
         self.client = self._rollout_client()
+        if self.client is not None:
+            self.client.vocab_size = vocab  # servers' answers are checked against the trained model
         self.weights = WeightSync(
             actor=self.actor, client=self.client, checkpoints=self.checkpoints, settings=cfg.rollout, log=self.log
         )

@@ -42,6 +42,8 @@ class FakeServer:
         # pause and answers finish_reason "abort" with them, as the real servers' mode "abort" does.
         self.abort_after: int | None = None
         self.wait_for_pause = True
+        # Rewrites a generation's (tokens, log-probs) before it is sent: a server that answers wrongly.
+        self.rewrite: Any = None
         self.generating = threading.Event()  # a generation to be aborted has its tokens
         self.paused = threading.Event()
         fake = self
@@ -101,6 +103,9 @@ class FakeServer:
                     return 400, {"error": "input_ids required"}
                 n = body["sampling_params"]["max_new_tokens"] if reason != "abort" else cut
                 toks = fake_tokens(body["input_ids"], n)
+                lps = [-0.5] * n
+                if self.rewrite is not None:
+                    toks, lps = self.rewrite(toks, lps)
                 return 200, {
                     "text": "",
                     "output_ids": toks,
@@ -109,7 +114,7 @@ class FakeServer:
                         "finish_reason": {"type": reason, "length": n},
                         "prompt_tokens": len(body["input_ids"]),
                         "completion_tokens": n,
-                        "output_token_logprobs": [[-0.5, t, None] for t in toks],
+                        "output_token_logprobs": [[lp, t, None] for t, lp in zip(toks, lps, strict=False)],
                     },
                 }
             if path in ("/pause_generation", "/continue_generation", "/flush_cache"):
@@ -123,7 +128,10 @@ class FakeServer:
             if path == "/v1/completions":
                 n = body["max_tokens"] if reason != "abort" else cut
                 toks = fake_tokens(body["prompt"], n)
-                logprobs = {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": [-0.25] * n}
+                lps = [-0.25] * n
+                if self.rewrite is not None:
+                    toks, lps = self.rewrite(toks, lps)
+                logprobs = {"tokens": [f"token_id:{t}" for t in toks], "token_logprobs": lps}
                 return 200, {
                     "choices": [
                         {

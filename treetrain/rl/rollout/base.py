@@ -4,6 +4,7 @@ interface, and the errors."""
 from __future__ import annotations
 
 import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class RolloutClient(ABC):
     # Asked while a generate call waits on servers: True abandons the call (RolloutStopped).
     # The synchronous trainer sets it (SIGTERM); None: the call runs to its end.
     stop: Callable[[], bool] | None = None
+    # The trained model's vocabulary: a token id a server returns at or past it is refused (an
+    # embedding lookup past the table is a device-side assert on a GPU).
+    vocab_size: int | None = None
 
     @abstractmethod
     def generate(self, prompts: Sequence[list[int]], params: SamplingParams, *, seed: int) -> list[Generation]:
@@ -79,3 +83,25 @@ class RolloutClient(ABC):
     def stale_servers(self, version: int) -> list[str]:
         """Servers that report weights other than ``version`` (restarted since the last sync)."""
         return []
+
+
+# A log-prob above this is not one (rounding lets a certain token's be a hair above 0).
+LOGPROB_CEILING = 1e-3
+
+
+def checked(gen: Generation, source: str, vocab_size: int | None) -> Generation:
+    """``gen`` if its answer can be trained on: as many log-probs as tokens, every log-prob a
+    finite number <= 0, every token id in ``[0, vocab_size)``; else RolloutError naming the first
+    problem (a server answering this way is broken or serves another model: it is handled as a
+    malformed answer)."""
+    if len(gen.logprobs) != len(gen.tokens):
+        raise RolloutError(f"bad answer from {source}: {len(gen.tokens)} tokens but {len(gen.logprobs)} log-probs")
+    for i, (t, lp) in enumerate(zip(gen.tokens, gen.logprobs, strict=True)):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise RolloutError(
+                f"bad answer from {source}: token {i} has id {t}, outside the model's vocabulary of {vocab_size}; "
+                "fix: serve the model in model.path"
+            )
+        if not math.isfinite(lp) or lp > LOGPROB_CEILING:
+            raise RolloutError(f"bad answer from {source}: token {i} has log-prob {lp}, not a finite number <= 0")
+    return gen

@@ -65,6 +65,15 @@ class MixedRollout(RolloutClient):
             c.gate = self.gate
 
     @property
+    def vocab_size(self) -> int | None:  # type: ignore[override]
+        return self.clients[0].vocab_size
+
+    @vocab_size.setter
+    def vocab_size(self, n: int | None) -> None:  # each per-kind client parses its own answers
+        for c in self.clients:
+            c.vocab_size = n
+
+    @property
     def endpoints(self) -> list[str]:
         return [ep for _, ep in self.targets]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treetrain.rl.rollout.base import UNKNOWN, Generation, RolloutError, SamplingParams, Unknown
+from treetrain.rl.rollout.base import UNKNOWN, Generation, RolloutError, SamplingParams, Unknown, checked
 from treetrain.rl.rollout.http import BucketRequest, GroupRequest, HTTPRollout
 
 
@@ -34,9 +34,12 @@ class SGLangRollout(HTTPRollout):
             triples = (meta.get("output_token_logprobs") or []) if reason == "abort" else meta["output_token_logprobs"]
             tokens = [int(t[1]) for t in triples]  # [logprob, token_id, text-or-null]
             logprobs = [float(t[0]) for t in triples]
-        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            ids = out.get("output_ids")
+            if isinstance(ids, list) and len(ids) != len(tokens):  # a log-prob missing: never train a cut sample
+                raise ValueError(f"{len(ids)} output_ids but {len(tokens)} token log-probs")
+        except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
             raise RolloutError(f"unexpected /generate answer from {endpoint}: {err!r} in {str(out)[:300]}") from None
-        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
+        return checked(Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason), endpoint, self.vocab_size)
 
     def update_weights(self, path: str, version: int) -> None:
         # Pause (aborting in-flight requests, which the client resubmits), load from disk, continue.

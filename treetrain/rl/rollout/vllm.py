@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from treetrain.rl.rollout.base import UNKNOWN, Generation, RolloutError, SamplingParams, Unknown
+from treetrain.rl.rollout.base import UNKNOWN, Generation, RolloutError, SamplingParams, Unknown, checked
 from treetrain.rl.rollout.http import BucketRequest, GroupRequest, HTTPRollout, check_weights_dir
 
 
@@ -54,7 +54,7 @@ class VLLMRollout(HTTPRollout):
             raise RolloutError(
                 f"unexpected /v1/completions answer from {endpoint}: {err!r} in {str(out)[:300]}"
             ) from None
-        return Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason)
+        return checked(Generation(tokens=tokens, logprobs=logprobs, finish_reason=reason), endpoint, self.vocab_size)
 
     def update_weights(self, path: str, version: int) -> None:
         # vLLM has no disk-reload route; its dev-mode collective_rpc calls a method of the workers.
