@@ -17,6 +17,7 @@ loads or step trains.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -182,3 +183,46 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# Free bytes below which a failed write is taken for a full disk: torch's writer reports ENOSPC as
+# "unexpected pos ..." and safetensors as its own error type, so the errno alone does not tell.
+FULL_BELOW_BYTES = 16 << 20
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(err: BaseException, where: Path) -> bool:
+    """Whether a failed write under ``where`` failed for lack of space: ENOSPC or EDQUOT anywhere
+    in the exception's chain, or a file system that is (nearly) full now."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
+            return True
+        if "No space left" in str(seen) or "os error 28" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(where).free < FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 when it is gone)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def space_message(root: Path, step: int, written: int, previous: Path | None) -> str:
+    """The one line for a save that ran out of space (after its partial directory is removed)."""
+    free = shutil.disk_usage(root).free
+    need = max(tree_bytes(previous), written) if previous is not None else written
+    size = f"about {_gib(need)} (the size of {previous.name})" if previous is not None else f"more than {_gib(need)}"
+    return (
+        f"checkpoint: no space left on the device of {root} while saving step {step} ({_gib(written)} written "
+        f"before it filled, removed; {_gib(free)} free now); a checkpoint needs {size}; fix: free that much in "
+        "checkpoint.dir (or point it at a larger volume), then resume with --resume"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

@@ -45,7 +45,7 @@ from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.progress import RolloutProgress, RolloutStopped
 from treetrain.rl.rollout import Generation, LocalRollout, RolloutClient, SamplingParams, remote_client
 from treetrain.rl.task import Task, TaskError
-from treetrain.trainer.checkpoints import Checkpoints
+from treetrain.trainer.checkpoints import Checkpoints, no_space, space_message, tree_bytes
 from treetrain.trainer.compare import Comparison, compare_tree_vs_flat
 from treetrain.trainer.samples import SampleLog
 from treetrain.trainer.sources import Sources, read_data_state, write_data_state
@@ -234,13 +234,46 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, step: int) -> None:
-        """Every rank writes its part into a partial directory; rank 0 publishes it whole."""
+        """Every rank writes its part into a partial directory; rank 0 publishes it whole. A disk
+        that fills on any rank stops every rank with one line (exit 2); the partial directory is
+        removed and ``latest`` still names the last good checkpoint."""
         began = time.perf_counter()
         self.ticker.enter("checkpoint")
         if self.main:
             self.checkpoints.clear_partial(step)
         self._barrier()
         path = self.checkpoints.partial_dir(step)
+        failed = ""
+        try:
+            self._write(path, step)
+        except Exception as err:
+            assert self.checkpoints.root is not None
+            if not no_space(err, self.checkpoints.root):
+                raise
+            failed = "no space"
+        if self.layout.world_size > 1:  # every rank commits, or every rank stops: no one waits in a barrier
+            seen: list[Any] = [None] * self.layout.world_size
+            dist.all_gather_object(seen, failed)
+            failed = next((f for f in seen if f), "")
+        if failed:
+            self._give_up_save(path, step)
+        self._barrier()
+        if self.main:
+            try:
+                final = self.checkpoints.commit(step)
+            except OSError as err:  # the rename or ``latest`` (rank 0 alone: torchrun stops the others)
+                root = self.checkpoints.root
+                assert root is not None
+                if not no_space(err, root):
+                    raise
+                written = tree_bytes(path)
+                self.checkpoints.clear_partial(step)
+                raise EngineConfigError(space_message(root, step, written, self.checkpoints.latest())) from None
+            self.log(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - began:.1f}s")
+        self._barrier()
+
+    def _write(self, path: Path, step: int) -> None:
+        """This rank's part of checkpoint ``step``."""
         extra = {"step": step}
         self.actor.save(path, extra)
         if self.critic is not None:
@@ -251,11 +284,17 @@ class Trainer:
             (path / ROLLOUT_STATE).write_text(json.dumps(self.controller.state()))
         if self.main:
             write_data_state(path, self.sources.data_state(step))  # a resumed run trains the next rows
+
+    def _give_up_save(self, path: Path, step: int) -> None:
+        """A save that ran out of space: its partial directory goes (it holds the space), and the
+        run stops with one line saying how much a checkpoint needs."""
+        assert self.checkpoints.root is not None
+        written = tree_bytes(path)
         self._barrier()
         if self.main:
-            final = self.checkpoints.commit(step)
-            self.log(f"checkpoint: step {step} saved to {final} in {time.perf_counter() - began:.1f}s")
+            self.checkpoints.clear_partial(step)
         self._barrier()
+        raise EngineConfigError(space_message(self.checkpoints.root, step, written, self.checkpoints.latest()))
 
     def _restore(self) -> int:
         """Resume from the newest checkpoint that every rank can read; an unreadable one (torn by
