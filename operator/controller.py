@@ -29,6 +29,7 @@ from rljob_operator.metrics import Metrics
 from rljob_operator.observe import Observed, controlled_by, owned
 from rljob_operator.policy import Limits
 from rljob_operator.reconcile import Decision, decide
+from rljob_operator.record import with_key_created
 from rljob_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("rljob_operator")
@@ -284,6 +285,11 @@ class Controller:
         def apply(o: dict[str, Any]) -> dict[str, Any]:
             return self.kube.apply(o, look(o))  # ownership re-checked when it is missing or replaced
 
+        # The key Secret first: someone else's refuses the pass before anything would read it; ours
+        # (created now or before) is said in the record the ConfigMap carries.
+        for key in [o for o in decision.create_only if o["kind"] == "Secret"]:
+            self._write(lambda o: self.kube.create_key(o, recorded=decision.key_created), key)
+            decision.apply = with_key_created(decision.apply)
         # The record of a restart or a finish first: written before the failed Job is deleted.
         for obj in (stamped(o) for o in decision.remember):
             if not unchanged(obj, look(obj)):
@@ -300,7 +306,7 @@ class Controller:
         futures.wait(pending)
         for done in pending:
             done.result()  # the first refusal (or error), after every apply has ended
-        for obj in decision.create_only:
+        for obj in (o for o in decision.create_only if o["kind"] != "Secret"):
             self._write(self.kube.create_if_missing, obj)
 
     @staticmethod

@@ -10,7 +10,15 @@ from typing import Any
 
 from rljob_operator.components import Component
 from rljob_operator.models import RLJobSpec, RolloutEngine
-from rljob_operator.names import CHECKPOINT_DIR, MODEL_DIR, rollout_name, trainer_job_name, trainer_service_name
+from rljob_operator.names import (
+    CHECKPOINT_DIR,
+    MODEL_DIR,
+    api_key_secret_name,
+    rollout_name,
+    trainer_job_name,
+    trainer_service_name,
+)
+from rljob_operator.network import API_KEY_FIELD
 from treetrain.alloc.precision import resolve_dtype
 from treetrain.config import TrainConfig
 
@@ -79,6 +87,15 @@ class Layout:
 
 def checkpoint_claim(spec: RLJobSpec) -> str | None:
     return spec.checkpoint.volume.claim_name if spec.checkpoint.volume is not None else None
+
+
+def api_key_ref(layout: Layout) -> tuple[str, str]:
+    """(Secret, data key) the rollout servers' API key is read from: the Secret the RLJob names in
+    ``spec.apiKeySecret``, used as is, else the operator's own ``NAME-api-key``."""
+    named = layout.spec.api_key_secret
+    if named is not None:
+        return named.name, named.key
+    return api_key_secret_name(layout.name), API_KEY_FIELD
 
 
 def rollout_engine(spec: RLJobSpec, component: str) -> RolloutEngine:

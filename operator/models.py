@@ -244,6 +244,25 @@ class Scheduling(_Model):
     )
 
 
+class ApiKeySecret(_Model):
+    """An existing Secret that holds the rollout servers' API key, used as is."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A Secret in the RLJob's namespace. The operator never creates, changes or deletes it "
+        "(it cannot read it either: a missing Secret or key shows as pods that cannot start).",
+    )
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key of the Secret's data that holds the API key.",
+    )
+
+
 _TRAINING = "['fsdp:', 'megatron:', 'archon:'].exists(p, self.backend.startsWith(p))"
 
 
@@ -324,6 +343,11 @@ class RLJobSpec(_Model):
         default=None, ge=0, le=MAX_TTL_SECONDS, description="Delete the RLJob this long after it succeeds or fails."
     )
     master_port: int = Field(default=29500, ge=1, le=65535, description="torchrun rendezvous port.")
+    api_key_secret: ApiKeySecret | None = Field(
+        default=None,
+        description="The rollout servers' API key from this existing Secret. Unset: the operator creates "
+        "NAME-api-key with a random key, and refuses a Secret of that name it did not create.",
+    )
 
 
 # ---------------------------------------------------------------------------

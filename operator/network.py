@@ -10,7 +10,8 @@ Children of RLJob ``NAME`` rendered here (see docs/install.md, "Network and API 
                     configured Prometheus pods to the metrics ports. Egress is not restricted.
     NAME-api-key    Secret: a random key, created once. Rollout servers require it (SGLang
                     ``--api-key``, vLLM ``VLLM_API_KEY``) and the trainer sends it as a bearer
-                    token (``TREETRAIN_ROLLOUT_API_KEY``).
+                    token (``TREETRAIN_ROLLOUT_API_KEY``). Not rendered when ``spec.apiKeySecret``
+                    names an existing Secret: the pods then read the key from that one.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def with_fresh_key(obj: dict[str, Any]) -> dict[str, Any]:
     return {**obj, "stringData": {field: secrets.token_urlsafe(KEY_BYTES)}}
 
 
-def key_env(secret: str, *names: str) -> list[dict[str, Any]]:
-    """Environment variables ``names`` holding the key from Secret ``secret`` (kept out of the pod
-    template: ``kubectl get -o yaml`` shows only the reference)."""
-    ref = {"secretKeyRef": {"name": secret, "key": API_KEY_FIELD}}
+def key_env(secret: str, key: str, *names: str) -> list[dict[str, Any]]:
+    """Environment variables ``names`` holding data key ``key`` of Secret ``secret`` (kept out of
+    the pod template: ``kubectl get -o yaml`` shows only the reference)."""
+    ref = {"secretKeyRef": {"name": secret, "key": key}}
     return [{"name": n, "valueFrom": ref} for n in names]

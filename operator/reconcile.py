@@ -10,6 +10,8 @@ operator/conditions.py.
 Ownership: only children that this RLJob controls count, those whose controller
 ownerReference carries the RLJob's uid (:func:`owned`). An object that merely carries the
 operator's labels, or has the name of a child, is never deleted, updated or read as state.
+The key Secret, which the operator cannot read, is its own only if its record says it created
+it (operator/record.py); a Secret the RLJob names in ``spec.apiKeySecret`` is never touched.
 
 Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
 ``NAME-trainer`` (n = 0) or ``NAME-trainer-rN``. When any of its pods fails, the
@@ -81,6 +83,9 @@ class Decision:
     remember: list[dict[str, Any]] = field(default_factory=list)
     apply: list[dict[str, Any]] = field(default_factory=list)
     create_only: list[dict[str, Any]] = field(default_factory=list)  # Jobs: their pod template is immutable
+    # The record says the operator created the key Secret NAME-api-key: a create of it answered
+    # "already exists" found its own. Otherwise that Secret is someone else's and is refused.
+    key_created: bool = False
     delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
     delete_self: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -212,6 +217,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             decision.create_only.append(obj)
         elif obj["kind"] == "Secret":
             decision.create_only.append(obj)  # the API key: random, created once, never rewritten
+            decision.key_created = memory.key_created
         else:
             decision.apply.append(obj)
     if pending:

@@ -1,11 +1,16 @@
 """What the operator remembers across passes, on the ConfigMap ``NAME-config`` (an owned child
-only the operator writes): the restart count and time, and once the RLJob finished, its phase,
-time and message. See operator/reconcile.py for why the status is never read back as state."""
+only the operator writes): the restart count and time, once the RLJob finished its phase, time
+and message, and whether the operator created the key Secret ``NAME-api-key``. See
+operator/reconcile.py for why the status is never read back as state.
+
+The key Secret: the operator may create Secrets but not read them (a grant to read would read
+every Secret of the namespace), so when its create is answered "already exists" only this record
+tells its own Secret from one someone else made under that name (which it must not use)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rljob_operator.conditions import parse_time
@@ -25,21 +30,29 @@ class Memory:
     finished: str | None = None  # "Succeeded" or "Failed" once the RLJob finished
     finished_at: str | None = None  # the TTL's clock
     message: str = ""
+    # The operator created the Secret NAME-api-key for this RLJob (or an operator that kept no
+    # record of it did: a record without the entry was written before the operator kept it).
+    key_created: bool = False
 
     def annotation(self) -> str:
         body = {"restarts": self.restarts, "lastRestart": self.last_restart, "finished": self.finished,
-                "finishedAt": self.finished_at, "message": self.message[:MAX_MEMORY_MESSAGE] or None}  # fmt: skip
+                "finishedAt": self.finished_at, "message": self.message[:MAX_MEMORY_MESSAGE] or None,
+                "keyCreated": self.key_created}  # fmt: skip
         return json.dumps({k: v for k, v in body.items() if v is not None}, sort_keys=True, separators=(",", ":"))
 
 
 def read_memory(configmap: dict[str, Any] | None) -> Memory:
     """The record on ``configmap``; one that is missing or unreadable counts as empty."""
+    written = annotations_of(configmap).get(ANNOTATION_STATE)
+    if not written:
+        return Memory()
     try:
-        note = json.loads(annotations_of(configmap).get(ANNOTATION_STATE) or "{}")
+        note = json.loads(written)
         restarts = int(note.get("restarts", 0))
         finished = note.get("finished")
         last, done = note.get("lastRestart"), note.get("finishedAt")
         parse_time(last), parse_time(done)  # a time that does not parse makes the whole record void
+        key_created = note.get("keyCreated", True)  # absent: written before the entry existed
     except (ValueError, TypeError, AttributeError):
         return Memory()
     return Memory(
@@ -48,6 +61,7 @@ def read_memory(configmap: dict[str, Any] | None) -> Memory:
         finished=finished if finished in ("Succeeded", "Failed") else None,
         finished_at=done,
         message=str(note.get("message") or ""),
+        key_created=key_created is True,
     )
 
 
@@ -56,12 +70,27 @@ def with_memory(objects: list[dict[str, Any]], memory: Memory) -> list[dict[str,
     apply would drop it)."""
     out = []
     for obj in objects:
-        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"].endswith("-config"):
+        if _is_record(obj):
             meta = obj["metadata"]
             obj = {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
                                                                ANNOTATION_STATE: memory.annotation()}}}  # fmt: skip
         out.append(obj)
     return out
+
+
+def with_key_created(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``objects`` with the record on the trainer ConfigMap saying that the operator created the
+    key Secret (the API layer found it created, or its own)."""
+    out = []
+    for obj in objects:
+        if _is_record(obj):
+            obj = with_memory([obj], replace(read_memory(obj), key_created=True))[0]
+        out.append(obj)
+    return out
+
+
+def _is_record(obj: dict[str, Any]) -> bool:
+    return bool(obj["kind"] == "ConfigMap" and obj["metadata"]["name"].endswith("-config"))
 
 
 def annotations_of(obj: dict[str, Any] | None) -> dict[str, str]:

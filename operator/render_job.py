@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator.components import Component
-from rljob_operator.layout import Layout, openai_port
+from rljob_operator.layout import Layout, api_key_ref, openai_port
 from rljob_operator.names import (
     CHECKPOINT_DIR,
     CONFIG_PATH,
@@ -16,7 +16,6 @@ from rljob_operator.names import (
     LABEL_RLJOB,
     METRICS_PORT,
     OPENAI_PORT_NAME,
-    api_key_secret_name,
     config_map_name,
     labels,
     meta,
@@ -67,7 +66,7 @@ def trainer(layout: Layout, config: TrainConfig, comp: Component) -> list[dict[s
         {"name": "TREETRAIN_CONFIG", "value": CONFIG_PATH},
         {"name": "TREETRAIN_RESTART", "value": str(restart)},
         # The rollout servers' key: the trainer's rollout client sends it as a bearer token.
-        *key_env(api_key_secret_name(layout.name), API_KEY_ENV),
+        *key_env(*api_key_ref(layout), API_KEY_ENV),
     ]
     pod_volumes, mounts = volumes(layout, checkpoints=True)
     pod_volumes.append({"name": "config", "configMap": {"name": config_map_name(layout.name)}})

@@ -1,5 +1,6 @@
-"""The RLJob's network children: the rollout servers' key (a Secret, created once) and, unless
-turned off, the NetworkPolicy that admits only this RLJob's pods and the configured Prometheus."""
+"""The RLJob's network children: the rollout servers' key (a Secret, created once; none when
+``spec.apiKeySecret`` names one) and, unless turned off, the NetworkPolicy that admits only this
+RLJob's pods and the configured Prometheus."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from rljob_operator.network import NetworkSettings, api_key_secret, network_poli
 
 
 def network(layout: Layout, settings: NetworkSettings) -> list[dict[str, Any]]:
-    """The key's Secret (created once, before any pod reads it) and, with ``settings.enabled``,
-    the NetworkPolicy."""
-    key = api_key_secret(
-        name=api_key_secret_name(layout.name), namespace=layout.namespace, labels=labels(layout.name, "network")
-    )
-    out = [key]
+    """The key's Secret (created once, before any pod reads it; a Secret the RLJob names is
+    never rendered: it is used as is) and, with ``settings.enabled``, the NetworkPolicy."""
+    out = []
+    if layout.spec.api_key_secret is None:
+        name = api_key_secret_name(layout.name)
+        out.append(api_key_secret(name=name, namespace=layout.namespace, labels=labels(layout.name, "network")))
     if settings.enabled:
         ports = [rollout_engine(layout.spec, n).port for n, c in layout.components.items() if c.role == "rollout"]
         pods = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_RLJOB: layout.name}

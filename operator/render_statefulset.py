@@ -6,14 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 from rljob_operator.components import Component
-from rljob_operator.layout import Layout, model_path, rollout_engine
+from rljob_operator.layout import Layout, api_key_ref, model_path, rollout_engine
 from rljob_operator.models import GROUP
 from rljob_operator.names import (
     ANNOTATION_WEIGHT_SYNC,
     LABEL_COMPONENT,
     LABEL_ENGINE,
     LABEL_RLJOB,
-    api_key_secret_name,
     labels,
     meta,
     rollout_name,
@@ -38,7 +37,7 @@ def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
     # The servers require the RLJob's key (operator/network.py): a flag for SGLang, VLLM_API_KEY for vLLM.
     auth_flags, auth_env = server_auth(comp.allocation.backend, API_KEY_ENV)
     argv += auth_flags
-    env += key_env(api_key_secret_name(layout.name), API_KEY_ENV, *auth_env)
+    env += key_env(*api_key_ref(layout), API_KEY_ENV, *auth_env)
     disk = spec.weight_sync.method == "disk"
     if comp.allocation.backend == "vllm":
         flags, more_env = vllm_weight_sync(spec.weight_sync.method)

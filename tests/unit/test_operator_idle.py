@@ -59,9 +59,12 @@ class _MemoryKube:
         self.applied.append((obj["kind"], obj["metadata"]["name"]))
         self.objects[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(obj)
 
+    def create_key(self, obj: dict[str, Any], *, recorded: bool) -> bool:
+        if (obj["kind"], obj["metadata"]["name"]) in self.objects:
+            return False  # Kube remembers the key Secrets it found its own: no request
+        return self.create_if_missing(obj)
+
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
-        if obj["kind"] == "Secret" and (obj["kind"], obj["metadata"]["name"]) in self.objects:
-            return False  # Kube remembers the key Secrets it created: no request
         self.requests["create"] += 1
         return self.objects.setdefault((obj["kind"], obj["metadata"]["name"]), copy.deepcopy(obj)) is obj
 

@@ -131,6 +131,9 @@ class _FakeKube:
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
         return True
 
+    def create_key(self, obj: dict[str, Any], *, recorded: bool) -> bool:
+        return True
+
     def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         pass
 
