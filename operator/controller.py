@@ -24,12 +24,12 @@ from kubernetes.client.exceptions import ApiException
 
 from rljob_operator.applied import stamped, unchanged
 from rljob_operator.conditions import backoff_seconds, set_condition
+from rljob_operator.key_secret import KeySecrets
 from rljob_operator.kube import Conflict, Kube, NotOurs
 from rljob_operator.metrics import Metrics
 from rljob_operator.observe import Observed, controlled_by, owned
 from rljob_operator.policy import Limits
 from rljob_operator.reconcile import Decision, decide
-from rljob_operator.record import with_key_created
 from rljob_operator.workqueue import Key, WorkQueue
 
 log = logging.getLogger("rljob_operator")
@@ -101,6 +101,7 @@ class Controller:
         self.kube = kube
         self.metrics = metrics
         self.limits = limits or Limits()
+        self.keys = KeySecrets(kube)  # the key Secrets: created once, someone else's refused
         self.queue = WorkQueue()
         self.known: set[Key] = set()
         self.refusals: dict[Key, int] = {}  # RLJobs whose children the API refuses: attempts in a row
@@ -285,11 +286,9 @@ class Controller:
         def apply(o: dict[str, Any]) -> dict[str, Any]:
             return self.kube.apply(o, look(o))  # ownership re-checked when it is missing or replaced
 
-        # The key Secret first: someone else's refuses the pass before anything would read it; ours
-        # (created now or before) is said in the record the ConfigMap carries.
+        # The key Secret first: someone else's refuses the pass before anything would read it.
         for key in [o for o in decision.create_only if o["kind"] == "Secret"]:
-            self._write(lambda o: self.kube.create_key(o, recorded=decision.key_created), key)
-            decision.apply = with_key_created(decision.apply)
+            self._write(lambda o: self.keys.ensure(o, decision, lambda c: apply(stamped(c))), key)
         # The record of a restart or a finish first: written before the failed Job is deleted.
         for obj in (stamped(o) for o in decision.remember):
             if not unchanged(obj, look(obj)):

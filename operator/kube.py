@@ -63,20 +63,6 @@ class NotOurs(Exception):
         )
 
 
-class ForeignKey(NotOurs):
-    """The key Secret's name is taken by a Secret the operator did not create for this RLJob."""
-
-    def __init__(self, name: str) -> None:
-        self.kind, self.name = "Secret", name
-        Exception.__init__(
-            self,
-            f"Secret {name} already exists and the operator did not create it for this RLJob, so it is not used as "
-            "the rollout servers' API key: nothing that would read it is created or changed. Fix: delete or rename "
-            f"that Secret (the operator then creates {name} with a random key), or set spec.apiKeySecret.name: "
-            f"{name} to use it as the key on purpose",
-        )
-
-
 # (verb, resource, HTTP status or 0 when no answer came): one call per request sent
 OnRequest = Callable[[str, str, int], None]
 
@@ -88,7 +74,6 @@ class Kube:
         self.on_request: OnRequest = on_request or (lambda verb, resource, code: None)
         # (kind, ns, name) -> (owner uid, object uid) of the children whose ownership was checked
         self._checked: dict[tuple[str, str, str], tuple[str | None, str]] = {}
-        self._secrets: set[tuple[str, str, str | None]] = set()  # (ns, name, owner uid): key Secrets found ours
 
     def credentials(self) -> Credentials:
         c = self.client.configuration
@@ -285,29 +270,16 @@ class Kube:
             return False
         return True
 
-    def create_key(self, obj: dict[str, Any], *, recorded: bool) -> bool:
-        """Create the RLJob's key Secret with a fresh key, once: it is never rewritten. The operator
-        cannot read Secrets (no get: that would read every Secret in the namespace), so one that
-        exists (409) is this RLJob's only when ``recorded`` (the operator's record on NAME-config
-        says it created it) or this process created it; else it is someone else's, never used:
-        :class:`ForeignKey`. True if created now. Remembered per process once found ours: a steady
-        state sends no request for it."""
+    def create_key(self, obj: dict[str, Any]) -> bool:
+        """POST the RLJob's key Secret with a fresh random key: True if created, False if a Secret of
+        that name exists (409). Never rewritten; whose it is, operator/key_secret.py decides."""
         meta = obj["metadata"]
-        key = (meta["namespace"], meta["name"], owner_uid(obj))
-        if key in self._secrets:
-            return False
         try:
             self._call("create", "Secret", "POST", self._path("Secret", meta["namespace"]), body=with_fresh_key(obj),
                        query=[("fieldManager", FIELD_MANAGER)])  # fmt: skip
-            created = True
         except Conflict:
-            if not recorded:
-                raise ForeignKey(meta["name"]) from None
-            created = False
-        if len(self._secrets) >= MAX_REMEMBERED_OWNERS:
-            self._secrets.clear()
-        self._secrets.add(key)
-        return created
+            return False
+        return True
 
     def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
         """Delete the object; with ``uid``, only that object (a precondition the API server

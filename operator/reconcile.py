@@ -10,8 +10,8 @@ operator/conditions.py.
 Ownership: only children that this RLJob controls count, those whose controller
 ownerReference carries the RLJob's uid (:func:`owned`). An object that merely carries the
 operator's labels, or has the name of a child, is never deleted, updated or read as state.
-The key Secret, which the operator cannot read, is its own only if its record says it created
-it (operator/record.py); a Secret the RLJob names in ``spec.apiKeySecret`` is never touched.
+The key Secret, which the operator cannot read, is its own only by its record
+(operator/key_secret.py); a Secret the RLJob names in ``spec.apiKeySecret`` is never touched.
 
 Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
 ``NAME-trainer`` (n = 0) or ``NAME-trainer-rN``. When any of its pods fails, the
@@ -72,7 +72,7 @@ from rljob_operator.observe import (
 )
 from rljob_operator.plan import Plan, plan
 from rljob_operator.policy import Limits
-from rljob_operator.record import ANNOTATION_STATE, Memory, annotations_of, read_memory, with_memory
+from rljob_operator.record import ANNOTATION_STATE, KeyState, Memory, annotations_of, read_memory, with_memory
 
 
 @dataclass
@@ -83,9 +83,8 @@ class Decision:
     remember: list[dict[str, Any]] = field(default_factory=list)
     apply: list[dict[str, Any]] = field(default_factory=list)
     create_only: list[dict[str, Any]] = field(default_factory=list)  # Jobs: their pod template is immutable
-    # The record says the operator created the key Secret NAME-api-key: a create of it answered
-    # "already exists" found its own. Otherwise that Secret is someone else's and is refused.
-    key_created: bool = False
+    # What the record says of the key Secret NAME-api-key (operator/key_secret.py).
+    key: KeyState = "none"
     delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
     delete_self: bool = False
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
@@ -217,7 +216,7 @@ def decide(rljob: dict[str, Any], observed: Observed, now: datetime, limits: Lim
             decision.create_only.append(obj)
         elif obj["kind"] == "Secret":
             decision.create_only.append(obj)  # the API key: random, created once, never rewritten
-            decision.key_created = memory.key_created
+            decision.key = memory.key
         else:
             decision.apply.append(obj)
     if pending:

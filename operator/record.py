@@ -1,17 +1,14 @@
 """What the operator remembers across passes, on the ConfigMap ``NAME-config`` (an owned child
 only the operator writes): the restart count and time, once the RLJob finished its phase, time
-and message, and whether the operator created the key Secret ``NAME-api-key``. See
-operator/reconcile.py for why the status is never read back as state.
-
-The key Secret: the operator may create Secrets but not read them (a grant to read would read
-every Secret of the namespace), so when its create is answered "already exists" only this record
-tells its own Secret from one someone else made under that name (which it must not use)."""
+and message, and whether the operator created the key Secret ``NAME-api-key`` (which it cannot
+read: operator/key_secret.py). See operator/reconcile.py for why the status is never read back
+as state."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from rljob_operator.conditions import parse_time
 from rljob_operator.models import GROUP
@@ -19,6 +16,9 @@ from rljob_operator.models import GROUP
 # On the ConfigMap NAME-config: what the operator remembers across passes (see the module doc).
 ANNOTATION_STATE = f"{GROUP}/state"
 MAX_MEMORY_MESSAGE = 512
+# Whether the operator created the key Secret NAME-api-key: none, pending (a create was sent,
+# its outcome not recorded) or created (operator/key_secret.py).
+KeyState = Literal["none", "pending", "created"]
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,12 @@ class Memory:
     finished: str | None = None  # "Succeeded" or "Failed" once the RLJob finished
     finished_at: str | None = None  # the TTL's clock
     message: str = ""
-    # The operator created the Secret NAME-api-key for this RLJob (or an operator that kept no
-    # record of it did: a record without the entry was written before the operator kept it).
-    key_created: bool = False
+    key: KeyState = "none"  # the key Secret NAME-api-key (see KeyState)
 
     def annotation(self) -> str:
         body = {"restarts": self.restarts, "lastRestart": self.last_restart, "finished": self.finished,
                 "finishedAt": self.finished_at, "message": self.message[:MAX_MEMORY_MESSAGE] or None,
-                "keyCreated": self.key_created}  # fmt: skip
+                "key": self.key}  # fmt: skip
         return json.dumps({k: v for k, v in body.items() if v is not None}, sort_keys=True, separators=(",", ":"))
 
 
@@ -52,7 +50,8 @@ def read_memory(configmap: dict[str, Any] | None) -> Memory:
         finished = note.get("finished")
         last, done = note.get("lastRestart"), note.get("finishedAt")
         parse_time(last), parse_time(done)  # a time that does not parse makes the whole record void
-        key_created = note.get("keyCreated", True)  # absent: written before the entry existed
+        # Absent: written before the entry existed, by an operator that created the Secret.
+        key = note.get("key", "created")
     except (ValueError, TypeError, AttributeError):
         return Memory()
     return Memory(
@@ -61,7 +60,7 @@ def read_memory(configmap: dict[str, Any] | None) -> Memory:
         finished=finished if finished in ("Succeeded", "Failed") else None,
         finished_at=done,
         message=str(note.get("message") or ""),
-        key_created=key_created is True,
+        key=key if key in get_args(KeyState) else "none",
     )
 
 
@@ -78,15 +77,14 @@ def with_memory(objects: list[dict[str, Any]], memory: Memory) -> list[dict[str,
     return out
 
 
-def with_key_created(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``objects`` with the record on the trainer ConfigMap saying that the operator created the
-    key Secret (the API layer found it created, or its own)."""
-    out = []
-    for obj in objects:
-        if _is_record(obj):
-            obj = with_memory([obj], replace(read_memory(obj), key_created=True))[0]
-        out.append(obj)
-    return out
+def with_key(objects: list[dict[str, Any]], state: KeyState) -> list[dict[str, Any]]:
+    """``objects`` with the record on the trainer ConfigMap saying ``state`` of the key Secret."""
+    return [with_memory([o], replace(read_memory(o), key=state))[0] if _is_record(o) else o for o in objects]
+
+
+def record_of(objects: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The trainer ConfigMap among ``objects``, which carries the record."""
+    return next((o for o in objects if _is_record(o)), None)
 
 
 def _is_record(obj: dict[str, Any]) -> bool:

@@ -131,7 +131,7 @@ class _FakeKube:
     def create_if_missing(self, obj: dict[str, Any]) -> bool:
         return True
 
-    def create_key(self, obj: dict[str, Any], *, recorded: bool) -> bool:
+    def create_key(self, obj: dict[str, Any]) -> bool:
         return True
 
     def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from rljob_operator.controller import Controller
@@ -164,6 +165,10 @@ def test_a_key_secret_made_before_the_rljob_is_refused_named_and_left_alone() ->
     assert not _kinds(api) & {"StatefulSet", "Job"}, _kinds(api)
     assert api.objects[f"{SECRETS}/demo-api-key"] == foreign
     # Removed: the operator makes its own key, the refusal clears, pods follow.
+    for _ in range(2):  # again, by a restarted operator: the refusal is recorded, never forgotten
+        _pass(api)
+        assert (_condition(api, "ReconcileError") or {})["status"] == "True", _status(api)
+        assert api.objects[f"{SECRETS}/demo-api-key"] == foreign and not _kinds(api) & {"StatefulSet", "Job"}
     del api.objects[f"{SECRETS}/demo-api-key"]
     _pass(api)
     ours = api.objects[f"{SECRETS}/demo-api-key"]
@@ -177,7 +182,7 @@ def test_the_operators_own_key_is_recognised_after_a_restart_without_reading_it(
     api, _ = _cluster()
     _pass(api)
     config = api.objects[f"/api/v1/namespaces/{NS}/configmaps/demo-config"]
-    assert read_memory(config).key_created, config["metadata"]["annotations"]
+    assert read_memory(config).key == "created", config["metadata"]["annotations"]
     key = copy.deepcopy(api.objects[f"{SECRETS}/demo-api-key"])
     for _ in range(2):  # a restarted operator: a fresh process posts the Secret once, is told 409
         api.requests.clear()
@@ -185,6 +190,30 @@ def test_the_operators_own_key_is_recognised_after_a_restart_without_reading_it(
         assert (_condition(api, "ReconcileError") or {}).get("status") != "True", _status(api)
         assert [r for r in api.requests if r[0] != "GET"] == [("POST", SECRETS)], api.requests
     assert api.objects[f"{SECRETS}/demo-api-key"] == key
+
+
+def test_a_key_created_by_a_pass_that_died_before_recording_it_is_still_the_operators() -> None:
+    # The Secret's create answered 201, then the operator died before the ConfigMap said so: the
+    # record written before the create (pending) makes the restarted operator's 409 its own.
+    api, _ = _cluster()
+    real = api.call_api
+    config_path = f"/api/v1/namespaces/{NS}/configmaps/demo-config"
+
+    def dies_after_the_key(method: str, path: str, *args: Any, **kwargs: Any) -> _Response:
+        if method == "PATCH" and path == config_path and f"{SECRETS}/demo-api-key" in api.objects:
+            raise SystemExit("operator killed")  # not an Exception: nothing in the pass catches it
+        return real(method, path, *args, **kwargs)
+
+    api.call_api = dies_after_the_key  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        _pass(api)
+    api.call_api = real  # type: ignore[method-assign]
+    assert read_memory(api.objects[config_path]).key == "pending"
+    assert f"{SECRETS}/demo-api-key" in api.objects and "Job" not in _kinds(api)
+    _pass(api)  # a new operator
+    assert (_condition(api, "ReconcileError") or {}).get("status") != "True", _status(api)
+    assert read_memory(api.objects[config_path]).key == "created"
+    assert {"StatefulSet", "Job"} <= _kinds(api)
 
 
 def test_a_key_secret_made_by_an_operator_before_the_record_is_kept() -> None:
@@ -195,7 +224,7 @@ def test_a_key_secret_made_by_an_operator_before_the_record_is_kept() -> None:
     config["metadata"]["annotations"][ANNOTATION_STATE] = '{"restarts":0}'
     _pass(api)
     assert (_condition(api, "ReconcileError") or {}).get("status") != "True", _status(api)
-    assert read_memory(api.objects[f"/api/v1/namespaces/{NS}/configmaps/demo-config"]).key_created
+    assert read_memory(api.objects[f"/api/v1/namespaces/{NS}/configmaps/demo-config"]).key == "created"
 
 
 def _key_refs(api: _FakeApiServer) -> list[dict[str, Any]]:
@@ -241,10 +270,10 @@ def test_the_record_of_the_key_reads_back_and_an_older_record_keeps_its_key() ->
         notes = {ANNOTATION_STATE: note} if note is not None else {}
         return {"kind": "ConfigMap", "metadata": {"name": "demo-config", "annotations": notes}}
 
-    made = config('{"keyCreated":true,"restarts":2}')
-    assert read_memory(made).key_created and read_memory(made).restarts == 2
-    assert not read_memory(config('{"keyCreated":false,"restarts":0}')).key_created
-    assert not read_memory(config(None)).key_created and not read_memory(None).key_created  # a new RLJob
-    assert read_memory(config('{"restarts":1}')).key_created  # written before the entry existed
-    assert not read_memory(config('{"keyCreated":"yes"}')).key_created  # only true is true
-    assert json.loads(read_memory(made).annotation())["keyCreated"] is True
+    made = config('{"key":"created","restarts":2}')
+    assert read_memory(made).key == "created" and read_memory(made).restarts == 2
+    assert read_memory(config('{"key":"pending","restarts":0}')).key == "pending"
+    assert read_memory(config(None)).key == "none" and read_memory(None).key == "none"  # a new RLJob
+    assert read_memory(config('{"restarts":1}')).key == "created"  # written before the entry existed
+    assert read_memory(config('{"key":"yes"}')).key == "none"  # nonsense is no claim
+    assert json.loads(read_memory(made).annotation())["key"] == "created"
