@@ -4,7 +4,8 @@ Issue 21: objects that merely carried the operator's labels were deleted as stal
 (item 4); a ConfigMap deleted and made again by someone else under the child's name (what
 ``kubectl replace --force`` does) was taken over and later garbage-collected with the RLJob
 (item 5); a status patched to a lie tore the rollout servers down or replaced a healthy
-trainer (item 10). The operator runs as a child process under exactly its RBAC rules (the
+trainer (item 10). A Secret ``NAME-api-key`` made before the RLJob silently became its key and
+was never owned (hostile-user review). The operator runs as a child process under exactly its RBAC rules (the
 fixtures of test_operator_faults.py); each ownership scenario runs 5 times.
 """
 
@@ -188,4 +189,40 @@ def test_a_status_patched_to_a_lie_is_corrected_and_drives_nothing(
         assert {key: live_uid(cluster, namespace, *key) for key in children} == uids, lie
         assert live_uid(cluster, namespace, "Job", "lie-trainer-r2") is None
         assert live_uid(cluster, namespace, "Job", "lie-trainer-r3") is None
+    operator.assert_alive_and_quiet()
+
+
+def test_a_key_secret_made_before_the_rljob_is_refused_until_the_rljob_names_it(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    core = client.CoreV1Api(cluster.api)
+    secret = core.create_namespaced_secret(namespace, {"metadata": {"name": "pre-api-key"},
+                                                       "stringData": {"api-key": "chosen-by-someone-else"}})  # fmt: skip
+    create(cluster, namespace, rljob("pre", **SMALL))
+    message = wait_for("pre refused", lambda: refusal(cluster, namespace, "pre"), timeout=120)
+    assert "Secret pre-api-key already exists" in message and "spec.apiKeySecret" in message, message
+
+    def warned() -> list[str]:
+        events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=pre").items
+        return [e.message for e in events if e.type == "Warning" and "Secret pre-api-key" in (e.message or "")]
+
+    wait_for("a warning event naming the Secret", warned, timeout=60)
+    assert live_uid(cluster, namespace, "StatefulSet", "pre-rollout") is None
+    assert live_uid(cluster, namespace, "Job", "pre-trainer") is None
+    # Named on purpose: used as is, the refusal clears, and the Secret stays exactly its author's.
+    custom(cluster).patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "pre",
+                                                   {"spec": {"apiKeySecret": {"name": "pre-api-key"}}})  # fmt: skip
+    wait_for("pre Running", phase_is(cluster, namespace, "pre", "Running"), timeout=180)
+    wait_for("the refusal cleared", lambda: refusal(cluster, namespace, "pre") is None, timeout=60)
+    sts = client.AppsV1Api(cluster.api).read_namespaced_stateful_set("pre-rollout", namespace)
+    refs = {e.value_from.secret_key_ref.name for c in sts.spec.template.spec.containers for e in c.env or []
+            if e.value_from and e.value_from.secret_key_ref}  # fmt: skip
+    assert refs == {"pre-api-key"}, refs
+    after = core.read_namespaced_secret("pre-api-key", namespace)
+    assert after.metadata.resource_version == secret.metadata.resource_version and not after.metadata.owner_references
+    # Not the RLJob's: it outlives it.
+    custom(cluster).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "pre")
+    wait_for("pre's children garbage-collected",
+             lambda: live_uid(cluster, namespace, "StatefulSet", "pre-rollout") is None, timeout=120)  # fmt: skip
+    assert core.read_namespaced_secret("pre-api-key", namespace).metadata.uid == secret.metadata.uid
     operator.assert_alive_and_quiet()
