@@ -16,6 +16,7 @@ from treetrain import metrics as M
 from treetrain.engines import builtin
 from treetrain.proxy.chat import ChatRenderer
 from treetrain.proxy.server import SESSION_PREFIX
+from treetrain.proxy.sessions import ProxyLimits
 from treetrain.proxy.stats import ROUTES
 from treetrain.proxy.transport import ProxyHTTPServer
 
@@ -74,14 +75,22 @@ def test_metrics_and_one_log_line_per_request(renderer: ChatRenderer) -> None:
 
 
 def test_a_burst_of_concurrent_completions_is_answered_without_resets(renderer: ChatRenderer) -> None:
-    """BURST runs connect at the same moment, each on its own connection (groupsPerStep x groupSize
-    agents starting a step): every one is answered; none is reset or refused at connect."""
+    """ACCEPTANCE: BURST runs connect at the same moment, each on its own connection
+    (groupsPerStep x groupSize agents starting a step): every one is answered, none is reset or
+    refused at connect, and ``GET /v1/models`` answers throughout the burst. The listen backlog
+    covers every session that may connect at once (maxSessions, which the trainer's check holds
+    above the runs in flight)."""
     assert ProxyHTTPServer.request_queue_size >= 1024
-    with serving(Scripted(renderer, ["ok"]), renderer) as server:
+    limits = ProxyLimits(max_sessions=2048, max_sessions_per_client=BURST + 1)
+    with serving(Scripted(renderer, ["ok"]), renderer, limits=limits) as server:
+        assert server._httpd is not None and server._httpd.request_queue_size == limits.max_sessions
         keys = [new_session(server)[1] for _ in range(BURST)]
-        start = threading.Barrier(BURST)
+        watcher = new_session(server)[1]
+        start = threading.Barrier(BURST + 1)
         results: list[Any] = []
+        models: list[Any] = []
         lock = threading.Lock()
+        burst_over = threading.Event()
 
         def one(key: str) -> None:
             start.wait(DEADLINE_S)
@@ -91,12 +100,29 @@ def test_a_burst_of_concurrent_completions_is_answered_without_resets(renderer: 
                 status = repr(err)
             with lock:
                 results.append(status)
+                if len(results) == BURST:
+                    burst_over.set()
+
+        def watch() -> None:
+            """GET /v1/models in a loop from the burst's start to its end (and once more)."""
+            start.wait(DEADLINE_S)
+            while True:
+                over = burst_over.is_set()
+                try:
+                    status = request(server.url, "GET", "/v1/models", key=watcher)[0]
+                except OSError as err:
+                    status = repr(err)
+                models.append(status)
+                if over and len(models) >= 2:
+                    return
 
         threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in keys]
+        threads.append(threading.Thread(target=watch, daemon=True))
         for t in threads:
             t.start()
         for t in threads:
             t.join(DEADLINE_S)
         served = server.stats.snapshot()["requests"]
     assert results == [200] * BURST, sorted(set(map(str, results)))
-    assert served["200"] == 2 * BURST
+    assert len(models) >= 2 and models == [200] * len(models), models
+    assert served["200"] == 2 * BURST + 1 + len(models)

@@ -44,7 +44,21 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument("--max-sessions", type=int, default=1024, metavar="N", help="open sessions at most (default 1024)")
+    p.add_argument(
+        "--max-sessions-per-client",
+        type=int,
+        default=256,
+        metavar="N",
+        help="open sessions one peer address may hold (default 256)",
+    )
     p.add_argument("--max-tokens", type=int, default=512, metavar="N", help="largest reply length (default 512)")
+    p.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=32768,
+        metavar="N",
+        help="tokens a session may use, the prompts and replies of all its calls (default 32768)",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,12 +74,19 @@ def _say(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         return _fail(f"--port must be 0..65535, got {args.port}")
-    if args.max_sessions < 1 or args.max_tokens < 1:
-        return _fail("--max-sessions and --max-tokens must be >= 1")
+    for flag in ("max_sessions", "max_sessions_per_client", "max_tokens", "max_session_tokens"):
+        if getattr(args, flag) < 1:
+            return _fail(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.max_tokens >= args.max_session_tokens:
+        return _fail(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt in --max-session-tokens "
+            f"{args.max_session_tokens}: lower it or raise --max-session-tokens"
+        )
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as treetrain train: idle OpenMP threads must not spin
     try:
         from treetrain.engines import EngineConfigError, builtin
         from treetrain.proxy.chat import ChatRenderer
+        from treetrain.proxy.sampler import LOCAL_BATCH_TOKENS
         from treetrain.proxy.server import ProxyServer
         from treetrain.proxy.sessions import ProxyLimits
         from treetrain.rl.rollout import RolloutError
@@ -80,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
         generate = _remote(args.rollout) if args.rollout else _local(args.model)
     except (EngineConfigError, RolloutError, FileNotFoundError, ValueError) as err:
         return _fail(str(err))
-    limits = ProxyLimits(max_sessions=args.max_sessions, max_tokens=args.max_tokens)
+    limits = ProxyLimits(
+        max_sessions=args.max_sessions,
+        max_sessions_per_client=args.max_sessions_per_client,
+        max_tokens=args.max_tokens,
+        max_session_tokens=args.max_session_tokens,
+        max_batch_tokens=None if args.rollout else LOCAL_BATCH_TOKENS,
+    )
     server = ProxyServer(
         generate=generate, renderer=ChatRenderer(tokenizer), model_name=args.model, limits=limits, request_log=_say
     )

@@ -350,6 +350,20 @@ class ProxySettings(Section):
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, le=1 << 30, description="Largest request body; past it 413."
     )
+    max_sessions_per_client: int = Field(
+        default=256,
+        ge=1,
+        le=1_000_000,
+        description="Sessions one peer address may hold open through POST /rl/sessions; past it 429. "
+        "The trainer's own agent runs are not counted.",
+    )
+    unused_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="A session opened through POST /rl/sessions that starts no completion this long after "
+        "it opened is ended.",
+    )
 
 
 class TrainerSettings(Section):

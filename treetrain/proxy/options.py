@@ -16,6 +16,9 @@ from treetrain.proxy.sessions import Refused
 MAX_CHOICES = 8
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+# Nesting a body may have: OpenAI requests (tool schemas included) stay far below it, and deeper
+# input would overflow a recursive reader (json itself at ~1,000, or the chat template) with a 500.
+MAX_JSON_DEPTH = 64
 # Fields that change nothing about sampling or the reply: accepted (any value) and not used.
 NO_OP_FIELDS = frozenset(
     {
@@ -97,13 +100,34 @@ def json_body(body: bytes | None, *, allow_empty: bool = False) -> dict[str, Any
         if allow_empty:
             return {}
         raise BadRequest("the request needs a JSON object body")
+    too_deep = BadRequest(
+        f"the body nests deeper than {MAX_JSON_DEPTH} levels; send a JSON object of messages and fields"
+    )
     try:
         value = json.loads(body)
+    except RecursionError:
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as err:
         raise BadRequest(f"the body is not valid JSON ({err}); send a JSON object") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
     if not isinstance(value, dict):
         raise BadRequest(f"the body must be a JSON object, got a JSON {type(value).__name__}")
     return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (a scalar is 0), walked without recursion."""
+    if not isinstance(value, dict | list):
+        return 0
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]  # containers only: a long list of numbers is one step
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def allow(method: str, allowed: str) -> None:

@@ -5,6 +5,10 @@ an agent's ``groupSize`` concurrent runs send their calls at nearly the same mom
 with equal sampling parameters (and equal explicit seeds) that arrive within ``window_s`` of the
 first go to the model as ONE ``generate`` call. While a batch runs, new requests queue up and
 form the next one. A failing ``generate`` fails only the requests of its batch.
+
+Local rollout holds a batch's KV cache for every prompt padded to the longest, so a batch may
+also be bounded in tokens (``max_batch_tokens``, counted as prompts x the longest prompt): a
+request that would pass it waits for a later batch (one that passes it alone runs alone).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from dataclasses import dataclass, field
 from treetrain.rl.rollout import Generation, RolloutError, SamplingParams, ServerUnavailable
 
 Generate = Callable[[list[list[int]], SamplingParams, int], list[Generation]]  # treetrain.rl.collect.Generate
+# The token bound of a batch sampled locally: twice the default session budget (32,768 tokens).
+# Remote servers batch and bound memory themselves: no bound there.
+LOCAL_BATCH_TOKENS = 65536
 
 
 class SamplerError(RuntimeError):
@@ -38,6 +45,10 @@ class _Request:
     future: Future[list[Generation]] = field(default_factory=Future)
 
     @property
+    def longest(self) -> int:
+        return max(map(len, self.prompts), default=0)
+
+    @property
     def key(self) -> tuple[SamplingParams, int | None]:
         # Requests without a seed of their own share a batch (it samples with the first one's).
         return self.params, self.seed if self.explicit_seed else None
@@ -45,7 +56,7 @@ class _Request:
 
 class BatchingSampler:
     """``submit`` from any thread; one daemon worker calls ``generate``. ``log`` gets one line per
-    failed batch."""
+    failed batch. ``max_batch_tokens``: None, no token bound."""
 
     def __init__(
         self,
@@ -53,11 +64,13 @@ class BatchingSampler:
         *,
         window_s: float = 0.01,
         max_batch: int = 64,
+        max_batch_tokens: int | None = None,
         log: Callable[[str], None] = lambda line: None,
     ) -> None:
         self._generate = generate
         self.window_s = window_s
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self._log = log
         self._cond = threading.Condition()
         self._queue: list[_Request] = []
@@ -130,7 +143,7 @@ class BatchingSampler:
                 return None
             first = self._queue[0]
             deadline = time.monotonic() + self.window_s
-            while (left := deadline - time.monotonic()) > 0 and self._count(first.key) < self.max_batch:
+            while (left := deadline - time.monotonic()) > 0 and not self._full(self._fitting(first)):
                 self._cond.wait(left)
                 if self._closed:
                     return None
@@ -138,18 +151,30 @@ class BatchingSampler:
                 self._cond.wait()
             if self._closed:
                 return None
-            batch: list[_Request] = []
-            size = 0
-            for req in list(self._queue):
-                if req.key == first.key and (not batch or size + len(req.prompts) <= self.max_batch):
-                    batch.append(req)
-                    size += len(req.prompts)
-                    self._queue.remove(req)
+            batch = self._fitting(first)
+            for req in batch:
+                self._queue.remove(req)
             self._running = True
             return batch
 
-    def _count(self, key: tuple[SamplingParams, int | None]) -> int:
-        return sum(len(r.prompts) for r in self._queue if r.key == key)
+    def _fitting(self, first: _Request) -> list[_Request]:
+        """``first`` and the queued requests like it, oldest first, while the batch stays within
+        ``max_batch`` prompts and ``max_batch_tokens``; a request that does not fit is left out."""
+        batch = [first]
+        size, longest = len(first.prompts), first.longest
+        for req in self._queue:
+            if req is first or req.key != first.key:
+                continue
+            rows, width = size + len(req.prompts), max(longest, req.longest)
+            if rows <= self.max_batch and (self.max_batch_tokens is None or rows * width <= self.max_batch_tokens):
+                batch.append(req)
+                size, longest = rows, width
+        return batch
+
+    def _full(self, batch: list[_Request]) -> bool:
+        """No more prompts can join: it holds ``max_batch`` prompts, or a request waits that does not fit."""
+        alike = sum(1 for r in self._queue if r.key == batch[0].key)
+        return sum(len(r.prompts) for r in batch) >= self.max_batch or alike > len(batch)
 
     def _call(self, batch: list[_Request]) -> None:
         try:

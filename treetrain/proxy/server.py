@@ -51,7 +51,7 @@ from treetrain.proxy.shaping import (
     usage,
 )
 from treetrain.proxy.stats import ProxyStats
-from treetrain.proxy.transport import ProxyHTTPServer, Response, error, handler_for
+from treetrain.proxy.transport import ProxyHTTPServer, Response, error, kernel_backlog
 from treetrain.rl.rollout import Generation, SamplingParams
 
 __all__ = ["DEFAULT_LIMITS", "GREEDY_TEMPERATURE", "BadRequest", "ProxyServer"]
@@ -102,7 +102,9 @@ class ProxyServer:
         self.request_log = request_log
         self.stats = ProxyStats()
         self.store = SessionStore(limits, stats=self.stats)
-        self.sampler = BatchingSampler(generate, window_s=batch_window_s, log=self._log)
+        self.sampler = BatchingSampler(
+            generate, window_s=batch_window_s, max_batch_tokens=limits.max_batch_tokens, log=self._log
+        )
         self.token_text = TokenText(renderer.tokenizer)
         self.created = int(time.time())
         # A Hugging Face fast tokenizer may refuse concurrent calls ("Already borrowed": encode
@@ -119,7 +121,13 @@ class ProxyServer:
         """Serve on ``host:port`` (0: any free port) in daemon threads; returns the port."""
         if self._httpd is not None:
             raise RuntimeError(f"the proxy already serves at {self.url}")
-        httpd = ProxyHTTPServer((host, port), handler_for(self))
+        httpd = ProxyHTTPServer((host, port), self, backlog=self.limits.max_sessions)
+        cap = kernel_backlog()
+        if cap is not None and cap < httpd.request_queue_size:
+            self._log(
+                f"treetrain proxy: the kernel queues at most {cap} connections (net.core.somaxconn), fewer than the "
+                f"{httpd.request_queue_size} sessions that may connect at once; a larger burst may be reset: raise it"
+            )
         self._httpd = httpd
         bound = int(httpd.server_address[1])
         # The URL this process dials (the trainer's own agents): loopback when serving every interface.
@@ -161,8 +169,9 @@ class ProxyServer:
             )
 
     # -- routes ---------------------------------------------------------------------------
-    def handle(self, method: str, path: str, headers: Any, body: bytes | None) -> Response:
-        """One request, routed; a :class:`Refused` becomes its status and an OpenAI error body."""
+    def handle(self, method: str, path: str, headers: Any, body: bytes | None, client: str | None = None) -> Response:
+        """One request, routed; a :class:`Refused` becomes its status and an OpenAI error body.
+        ``client``: the peer address (sessions are bounded per client)."""
         path = path.split("?", 1)[0].rstrip("/") or "/"
         parts = path.strip("/").split("/")
         session: Session | None = None
@@ -174,7 +183,7 @@ class ProxyServer:
                 return res
             if parts == ["rl", "sessions"]:
                 allow(method, "POST")
-                return self._create_session(json_body(body, allow_empty=True))
+                return self._create_session(json_body(body, allow_empty=True), client)
             if parts[:2] == ["v1", "models"] and len(parts) <= 3:
                 allow(method, "GET")
                 self._session(headers)
@@ -207,7 +216,7 @@ class ProxyServer:
             raise Refused(404, f"unknown session {session_id!r} for this key")
         return session
 
-    def _create_session(self, body: dict[str, Any]) -> Response:
+    def _create_session(self, body: dict[str, Any], client: str | None) -> Response:
         seed = body.get("seed")
         if seed is not None and not is_int(seed):
             raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
@@ -217,7 +226,7 @@ class ProxyServer:
         wait = self.admit()
         if wait is not None:
             raise Refused(429, "the trainer admits no new session now: retry after the Retry-After seconds", wait)
-        session = self.store.create(seed=seed, meta=meta)
+        session = self.store.create(seed=seed, meta=meta, client=client)
         res = Response(200, {"id": session.id, "api_key": session.api_key})
         res.session_id = session.id
         return res

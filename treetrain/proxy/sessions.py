@@ -4,6 +4,9 @@ budget) and what was sampled (one :class:`SampleRecord` per completion, for the 
 Every bound is enforced here so that no client can grow the proxy's memory without limit: open
 sessions (``max_sessions``), tokens per session, idle sessions (ended after ``idle_timeout_s``)
 and ended sessions whose samples nobody took (the oldest dropped beyond ``4 * max_sessions``).
+And so that no one client takes every place: sessions opened over HTTP count per peer address
+(``max_sessions_per_client``), and one that starts no completion within ``unused_timeout_s`` of
+its creation is ended. The trainer's own sessions (no client) are bound by the trainer.
 """
 
 from __future__ import annotations
@@ -23,24 +26,33 @@ from treetrain.proxy.chat import Turn
 from treetrain.proxy.stats import ProxyStats
 
 ENDED_KEPT_FACTOR = 4  # ended sessions kept (for their samples) per allowed open session
+# What sets a session's token budget, as a refusal names it (the trainer's key, the proxy's field).
+BUDGET_NAME = "trainer.maxEpisodeTokens, or treetrain proxy --max-session-tokens"
 
 
 @dataclass(frozen=True)
 class ProxyLimits:
-    """Bounds of one proxy. ``max_tokens``: the largest ``max_tokens`` a call may ask (also its default)."""
+    """Bounds of one proxy. ``max_tokens``: the largest ``max_tokens`` a call may ask (also its default).
+    ``max_batch_tokens``: a sampling batch's bound in tokens (treetrain.proxy.sampler); None: none."""
 
     max_sessions: int = 1024
     max_session_tokens: int = 32768
     idle_timeout_s: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens: int = 512
+    max_sessions_per_client: int = 256
+    unused_timeout_s: float = 60.0
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_sessions", "max_session_tokens", "max_body_bytes", "max_tokens"):
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise ValueError(f"ProxyLimits.max_batch_tokens must be >= 1 or None, got {self.max_batch_tokens}")
+        for name in ("max_sessions", "max_session_tokens", "max_body_bytes", "max_tokens", "max_sessions_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ProxyLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.idle_timeout_s <= 0:
-            raise ValueError(f"ProxyLimits.idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        for name in ("idle_timeout_s", "unused_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ProxyLimits.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,8 @@ class Session:
     seed: int
     meta: dict[str, Any]
     last_used: float
+    client: str | None = None  # the peer address that opened it over HTTP; None: the trainer's own
+    created: float = 0.0
     ended: bool = False
     calls: int = 0  # completion requests so far: the default seed of call k is seed + k
     tokens: int = 0  # prompt + sampled tokens charged to the budget (reserved while a call runs)
@@ -125,11 +139,16 @@ class SessionStore:
         self._lock = threading.Lock()
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, Session] = OrderedDict()  # ended first, first
+        self._unused: OrderedDict[str, Session] = OrderedDict()  # clients' open sessions with no call yet, oldest first
+        self._per_client: dict[str, int] = {}  # open sessions by peer address
         self._by_key: dict[bytes, str] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
-    def create(self, *, seed: int | None = None, meta: dict[str, Any] | None = None) -> Session:
-        """A new open session; :class:`Refused` (429) when ``max_sessions`` are open."""
+    def create(
+        self, *, seed: int | None = None, meta: dict[str, Any] | None = None, client: str | None = None
+    ) -> Session:
+        """A new open session; :class:`Refused` (429) when ``max_sessions`` are open, or when
+        ``client`` (a peer address) has ``max_sessions_per_client`` open."""
         with self._lock:
             self._expire_idle()
             if len(self._open) >= self.limits.max_sessions:
@@ -138,14 +157,28 @@ class SessionStore:
                     f"{len(self._open)} sessions are open, the limit (max_sessions); end one or retry later",
                     retry_after_s=1.0,
                 )
+            bound = self.limits.max_sessions_per_client
+            if client is not None and self._per_client.get(client, 0) >= bound:
+                raise Refused(
+                    429,
+                    f"{client} has {bound} sessions open, the limit per client (max_sessions_per_client); "
+                    "end one (POST /rl/sessions/{id}/end) or retry later",
+                    retry_after_s=1.0,
+                )
+            now = self._clock()
             session = Session(
                 id=new_session_id(),
                 api_key=new_api_key(),
                 seed=secrets.randbits(31) if seed is None else seed,
                 meta=dict(meta or {}),
-                last_used=self._clock(),
+                last_used=now,
+                client=client,
+                created=now,
             )
             self._open[session.id] = session
+            if client is not None:
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+                self._unused[session.id] = session
             self._by_key[_digest(session.api_key)] = session.id
             self._changed()
             return session
@@ -172,8 +205,12 @@ class SessionStore:
     def discard(self, session_id: str) -> None:
         """Forget a session and its samples (the trainer took them). Unknown ids are ignored."""
         with self._lock:
-            session = self._open.pop(session_id, None) or self._ended.pop(session_id, None)
+            session = self._open.get(session_id)
             if session is not None:
+                self._close(session)
+            session = session or self._ended.get(session_id)
+            if session is not None:
+                self._ended.pop(session_id, None)
                 self._by_key.pop(_digest(session.api_key), None)
                 self._changed()
 
@@ -237,18 +274,22 @@ class SessionStore:
             budget = self.limits.max_session_tokens
             left = budget - session.tokens
             if prompt_len >= budget:
-                raise Refused(413, f"the prompt has {prompt_len} tokens, the session budget is {budget}: shorten it")
+                raise Refused(
+                    413,
+                    f"the prompt has {prompt_len} tokens, the session budget is {budget} ({BUDGET_NAME}): shorten it",
+                )
             per_choice = left // n - prompt_len
             if per_choice < 1:
                 raise Refused(
                     413,
-                    f"session {session.id} used {session.tokens} of its {budget} tokens; "
-                    f"a {prompt_len}-token prompt x {n} does not fit: start a new session",
+                    f"session {session.id} used {session.tokens} of its {budget} tokens ({BUDGET_NAME}: the prompts "
+                    f"and replies of all its calls); a {prompt_len}-token prompt x {n} does not fit: end the episode",
                 )
             new_tokens = min(max_new_tokens, per_choice)
             session.tokens += n * (prompt_len + new_tokens)
             call = session.calls
             session.calls += 1
+            self._unused.pop(session.id, None)
             session.last_used = self._clock()
             return call, new_tokens
 
@@ -288,7 +329,7 @@ class SessionStore:
         if session.ended:
             return
         session.ended = True
-        self._open.pop(session.id, None)
+        self._close(session)
         self._ended[session.id] = session
         kept = ENDED_KEPT_FACTOR * self.limits.max_sessions
         while len(self._ended) > kept:
@@ -296,12 +337,30 @@ class SessionStore:
             self._by_key.pop(_digest(old.api_key), None)
         self._changed()
 
+    def _close(self, session: Session) -> None:
+        """Take an open session out of the open ones and its client's count."""
+        if self._open.pop(session.id, None) is None:
+            return
+        self._unused.pop(session.id, None)
+        if session.client is not None:
+            left = self._per_client.pop(session.client, 1) - 1
+            if left > 0:
+                self._per_client[session.client] = left
+
     def _expire_idle(self) -> None:
-        """End the sessions idle past the timeout (the least recently used come first)."""
-        deadline = self._clock() - self.limits.idle_timeout_s
+        """End the sessions idle past the timeout (the least recently used come first), and the
+        clients' sessions that started no completion within ``unused_timeout_s`` (oldest first)."""
+        now = self._clock()
+        deadline = now - self.limits.idle_timeout_s
         while self._open:
             session = next(iter(self._open.values()))
             if session.last_used > deadline:
+                break
+            self._end(session)
+        unused_deadline = now - self.limits.unused_timeout_s
+        while self._unused:
+            session = next(iter(self._unused.values()))
+            if session.created > unused_deadline:
                 break
             self._end(session)
 

@@ -111,6 +111,7 @@ class Sources:
         self.eval_rows: Sequence[dict[str, Any]] | None = None
         self.reward_runner: Any = None
         self.eval_reward_runner: Any = None
+        self.reward_pool: Any = None  # the reward calls' worker processes (treetrain.rl.rewards_pool)
         self.cursor: Any = None
         self.server: ProxyServer | None = None
         self.eval_server: ProxyServer | None = None
@@ -127,23 +128,34 @@ class Sources:
             raise TaskError(str(err)) from None
 
     def _load_data(self, cfg: TrainConfig, get_tokenizer: Callable[[], Any]) -> None:
-        from treetrain.rl.dataset import load_rows
+        from treetrain.rl.dataset import ByteLimits, load_rows
         from treetrain.rl.rewards import reads_answer
 
         t = cfg.trainer
         assert t.dataset is not None
         # Every row checked here, before the tokenizer and the model: a bad one is one line, exit 2.
+        # Sized by bytes against maxEpisodeTokens; a large file is mapped from its Arrow cache.
         answer_for = t.reward if reads_answer(t.reward, t.reward_args) else None
-        self.rows = load_rows(t.dataset, answer_for=answer_for)
+        limits = ByteLimits.for_episode(t.max_episode_tokens)
+        self.rows = load_rows(t.dataset, answer_for=answer_for, limits=limits)
         if t.eval is not None:
-            self.eval_rows = load_rows(t.eval.dataset, key="trainer.eval.dataset", answer_for=answer_for)
+            self.eval_rows = load_rows(t.eval.dataset, key="trainer.eval.dataset", answer_for=answer_for, limits=limits)
         if t.reward is not None:
             from treetrain.rl.rewards import RewardRunner, load_reward
+            from treetrain.rl.rewards_pool import RewardPool
 
             fn = load_reward(t.reward, t.reward_args)
+            self.reward_pool = RewardPool()  # training and evaluation share the workers
+            self.reward_pool.start()  # its server imports while the model loads
 
             def runner(answer_field: str) -> RewardRunner:
-                return RewardRunner(fn, timeout_s=t.reward_timeout_seconds, answer_field=answer_field, log=self.log)
+                return RewardRunner(
+                    fn,
+                    timeout_s=t.reward_timeout_seconds,
+                    answer_field=answer_field,
+                    log=self.log,
+                    pool=self.reward_pool,
+                )
 
             self.reward_runner = self.eval_reward_runner = runner(t.dataset.answer_field)
             if t.eval is not None and t.eval.dataset.answer_field != t.dataset.answer_field:
@@ -236,7 +248,8 @@ class Sources:
         t = self.cfg.trainer
         p = t.proxy
         renderer = self.renderer
-        limits = proxy_limits(t)
+        local = t.rollout.kind == "local" or (t.rollout.kind == "auto" and not self.cfg.rollout.servers)
+        limits = proxy_limits(t, local=local)
         bound = (max_staleness + 1) * t.groups_per_step * t.group_size
         name = self.cfg.model.path
         self.server = ProxyServer(
@@ -281,11 +294,18 @@ class Sources:
         if self.lockstep is not None:
             self.lockstep.stop()
 
+    def stop_rewards(self) -> None:
+        """SIGTERM (from its handler): reward calls in progress end within the grace."""
+        if self.reward_pool is not None:
+            self.reward_pool.stop()
+
     def close(self) -> None:
         for server in (self.server, self.eval_server):
             if server is not None:
                 server.close()
         self.server = self.eval_server = None
+        if self.reward_pool is not None:
+            self.reward_pool.close()  # every worker process ends with the trainer
 
     # -- agent rollouts ---------------------------------------------------------------------
     def play_agent_step(self, step: int) -> Rollouts:
@@ -410,8 +430,10 @@ def check_sessions(cfg: TrainConfig) -> None:
         )
 
 
-def proxy_limits(t: TrainerSettings) -> Any:
-    """The proxy's bounds from the config: trainer.proxy, maxNewTokens and maxEpisodeTokens."""
+def proxy_limits(t: TrainerSettings, *, local: bool = False) -> Any:
+    """The proxy's bounds from the config: trainer.proxy, maxNewTokens and maxEpisodeTokens;
+    ``local``: its sampler's batches are bounded in tokens (local rollout's KV cache)."""
+    from treetrain.proxy.sampler import LOCAL_BATCH_TOKENS
     from treetrain.proxy.sessions import ProxyLimits
 
     p = t.proxy
@@ -421,6 +443,9 @@ def proxy_limits(t: TrainerSettings) -> Any:
         idle_timeout_s=p.idle_timeout_seconds,
         max_body_bytes=p.max_body_bytes,
         max_tokens=t.max_new_tokens,
+        max_sessions_per_client=p.max_sessions_per_client,
+        unused_timeout_s=p.unused_timeout_seconds,
+        max_batch_tokens=LOCAL_BATCH_TOKENS if local else None,
     )
 
 

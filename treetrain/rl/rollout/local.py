@@ -38,6 +38,11 @@ class LocalRollout(RolloutClient):
         # transformers >= 5.2x names the KV cache `cache`; older releases `past_key_values`.
         params = inspect.signature(type(model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Only the last position's logits are sampled from: the others (a vocabulary's worth of
+        # floats per prompt token, 6 GB for 32k tokens of a 49k vocabulary) are never computed.
+        # Older transformers name it num_logits_to_keep; a model with neither computes them all.
+        keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        self._keep_last = {keep: 1} if keep is not None else {}
         self._kept: _KeptCache | None = None
         self.gate = WeightGate()  # the trainer moves its version after every optimizer step
         self.prompt_tokens_read = 0  # prompt tokens the model has run (the tests read it)
@@ -72,7 +77,7 @@ class LocalRollout(RolloutClient):
 
     def _forward(self, ids_BT: Any, mask_BT: Any, pos_BT: Any, cache: Any = None) -> tuple[Any, Any]:
         """(the KV cache, each row's last logits) of one forward over ``ids_BT``."""
-        extra = {self._cache_kw: cache} if cache is not None else {}
+        extra = ({self._cache_kw: cache} if cache is not None else {}) | self._keep_last
         res = self.model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT, use_cache=True, **extra)
         return _cache_of(res), res.logits[:, -1].float()
 
