@@ -121,6 +121,29 @@ BROKEN: dict[str, tuple[str, Callable[[Path], Path], str]] = {
         "row index 0",
     ),
     "json-list": ("a.json", lambda p: (p.write_text(json.dumps([GOOD, {"answer": "1"}])), p)[1], "row index 1"),
+    "parquet-int-prompt": ("a.parquet", lambda p: _parquet(p, prompt=[7, 8], answer=["1", "2"]), "row index 0: prompt"),
+    "parquet-struct-prompt": (
+        "a.parquet",
+        lambda p: _parquet(p, prompt=[{"q": "x"}, {"q": "y"}], answer=["1", "2"]),
+        "row index 0: prompt 'prompt' is an object",
+    ),
+    "parquet-role-root": (
+        "a.parquet",
+        lambda p: _parquet(
+            p, prompt=[[{"role": "user", "content": "x"}], [{"role": "root", "content": "x"}]], answer=["1", "2"]
+        ),
+        "row index 1: prompt 'prompt' message 0 has role 'root'",
+    ),
+    "json-list-nested-100000": (  # a JSON list is read item by item: the deep item never reaches pyarrow
+        "a.json",
+        lambda p: (
+            p.write_text(
+                '[{"prompt": "x", "answer": "1"}, {"prompt": "x", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}]"
+            ),
+            p,
+        )[1],
+        f"row index 1 nests deeper than {MAX_DEPTH} levels",
+    ),
     "parquet-null-answer": (
         "a.parquet",
         lambda p: _parquet(p, prompt=["a", "b", "c"], answer=["1", None, "3"]),
@@ -150,6 +173,22 @@ def test_the_eval_dataset_is_checked_the_same_way(tmp_path: Path, cli: Any, comm
     code, _, err = cli(command, str(write_config(tmp_path, good, eval_dataset=bad)))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert f"trainer.eval.dataset {bad}: line 2: no answer" in err and "trainer.eval.dataset.answerField" in err
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_prompt_that_cannot_fit_max_episode_tokens_is_refused_by_its_bytes(
+    tmp_path: Path, cli: Any, command: str
+) -> None:
+    """Judged by bytes before any tokenizer loads: 8 a token of maxEpisodeTokens (16 here)."""
+    data = jsonl(tmp_path / "a.jsonl", GOOD, {"prompt": "y" * 129, "answer": "1"}, {"prompt": "y" * 128, "answer": "1"})
+    code, out, err = cli(command, str(write_config(tmp_path, data, maxEpisodeTokens=16, maxNewTokens=8)))
+    assert code == 2 and len(err.strip().splitlines()) == 1, (out, err)
+    assert f"trainer.dataset {data}: line 2: prompt 'prompt' has 129 bytes, more than 128 (8 a token of " in err
+    assert (
+        "trainer.maxEpisodeTokens 16)" in err
+        and "fix: shorten or drop the row, or raise trainer.maxEpisodeTokens" in err
+    )
+    assert NO_MODEL not in err and "tokenizer" not in err
 
 
 def test_many_bad_rows_name_the_first_and_count_the_rest(tmp_path: Path) -> None:
@@ -247,3 +286,50 @@ def test_train_maps_a_dataset_error_raised_at_any_step_to_exit_2(
         and err
         == "treetrain train: error: trainer.dataset rows.jsonl: row index 7: no prompt; fix: give every row a prompt\n"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "phrase"),
+    [
+        ('{"version": 1, "next_step": -3, "next_row": 0}', "checkpoint data.json is not a version-1 data cursor"),
+        ("{not json", "data.json cannot be read"),
+    ],
+)
+def test_a_resumed_run_whose_data_position_is_damaged_is_one_line(
+    tmp_path: Path, cli: Any, damage: str, phrase: str
+) -> None:
+    """A real run writes a checkpoint; its data.json is then damaged: the resumed run stops with
+    one line and exit 2, no traceback. A tiny random model with SmolLM2's tokenizer keeps it short."""
+    from helpers import save_hf_model
+
+    from treetrain.engines.builtin import load_tokenizer
+
+    model = save_hf_model(
+        tmp_path / "model",
+        "llama",
+        seed=0,
+        vocab_size=49152,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    load_tokenizer("builtin:smollm2-135m").save_pretrained(model)
+    data = jsonl(tmp_path / "a.jsonl", GOOD, {"prompt": "What is 3 + 3?", "answer": "6"}, GOOD)
+    config = write_config(
+        tmp_path, data, groupsPerStep=1, groupSize=2, maxNewTokens=2, metrics={"enabled": False}, threads=1
+    )
+    raw = yaml.safe_load(config.read_text())
+    raw["model"] = {"path": str(model), "seed": 0}
+    config.write_text(yaml.safe_dump(raw))
+    code, out, err = cli("train", str(config))
+    assert code == 0, (out, err)
+    (tmp_path / "ckpt" / "step-00000001" / "data.json").write_text(damage)
+    code, out, err = cli("train", str(config), "--resume", "--steps", "2")
+    # transformers draws a progress bar on stderr as it loads the weights (reported, not this test's)
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("Loading weights", "\rLoading"))]
+    assert code == 2 and len(lines) == 1 and phrase in lines[0], (out, err)
+    assert lines[0].startswith("treetrain train: error: ") and "Traceback" not in out + err

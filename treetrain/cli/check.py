@@ -82,9 +82,9 @@ def inspect(cfg: Any) -> Report:
         from treetrain.rl.rewards import reads_answer
 
         answer_for = t.reward if reads_answer(t.reward, t.reward_args) else None
-        _rows("dataset", t.dataset, "trainer.dataset", answer_for, report)
+        _rows("dataset", t.dataset, "trainer.dataset", (answer_for, t.max_episode_tokens), report)
         if t.eval is not None:
-            _rows("eval", t.eval.dataset, "trainer.eval.dataset", answer_for, report)
+            _rows("eval", t.eval.dataset, "trainer.eval.dataset", (answer_for, t.max_episode_tokens), report)
     return report
 
 
@@ -137,11 +137,14 @@ def _reward(spec: str, args: dict[str, Any], report: Report) -> None:
     report.lines.append(f"reward: {spec} ({reads})")
 
 
-def _rows(label: str, settings: Any, key: str, answer_for: str | None, report: Report) -> None:
-    from treetrain.rl.dataset import DatasetError, load_rows
+def _rows(label: str, settings: Any, key: str, rules: tuple[str | None, int], report: Report) -> None:
+    from treetrain.rl.dataset import ByteLimits, DatasetError, load_rows
 
+    answer_for, max_episode_tokens = rules  # the trainer's: the reward that reads answers, the size bound
     try:
-        rows: Any = load_rows(settings, key=key, answer_for=answer_for)
+        rows: Any = load_rows(
+            settings, key=key, answer_for=answer_for, limits=ByteLimits.for_episode(max_episode_tokens)
+        )
     except DatasetError as err:
         report.problems.append(str(err))
         return

@@ -19,8 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from treetrain.config.schema import DatasetSettings, TrainerSettings
+from treetrain.rl import dataset_cache
+from treetrain.rl.dataset_cache import CACHE_FROM_BYTES
+from treetrain.rl.dataset_check import (
+    DEFAULT_LIMITS,
+    RowRules,
+    blank_line_hint,
+    json_list,
+    prompt_bytes,
+    prompt_problem,
+    scan_file,
+)
+from treetrain.rl.dataset_check import ByteLimits as ByteLimits  # re-exported: load_rows' callers pass one
 from treetrain.rl.dataset_check import DatasetError as DatasetError  # re-exported: its old home
-from treetrain.rl.dataset_check import RowRules, blank_line_hint, check_loaded, prompt_problem, scan_file
+from treetrain.rl.dataset_loaded import check_loaded
 from treetrain.rl.rewards import RewardRunner
 from treetrain.rl.task import TaskError
 
@@ -42,16 +54,21 @@ ANY_REWARD = "the reward"  # load_rows' default: answers checked as a built-in r
 def load_rows(
     settings: DatasetSettings,
     *,
-    cache_dir: str | None = None,
+    cache_dir: str | Path | None = None,
     key: str = "trainer.dataset",
     answer_for: str | None = ANY_REWARD,
+    limits: ByteLimits = DEFAULT_LIMITS,
+    cache_from_bytes: int = CACHE_FROM_BYTES,
 ) -> Rows:
     """The rows of ``settings.split``, every one checked before any is used (dataset_check): a
-    prompt in each; with ``answer_for`` (the reward that compares replies with the answer; None:
-    nothing reads it) an answer in each. ``key`` names the config key in errors.
-    ``cache_dir``: where ``datasets`` keeps its Arrow copy of a file, memory-mapped; None: the
-    rows of a file are held in memory and no copy is kept (a save_to_disk directory is mapped)."""
-    rules = RowRules(key, settings.path, settings.prompt_field, settings.answer_field, answer_for)
+    prompt in each, no larger than ``limits`` (``ByteLimits.for_episode(maxEpisodeTokens)``);
+    with ``answer_for`` (the reward that compares replies with the answer; None: nothing reads
+    it) an answer in each. ``key`` names the config key in errors.
+    A file of ``cache_from_bytes`` or more is read through an Arrow copy under ``cache_dir``
+    (None: dataset_cache.default_root()), memory-mapped and kept for later runs; a smaller one
+    is held in memory, no copy kept, unless ``cache_dir`` is given. A save_to_disk directory
+    is mapped where it is."""
+    rules = RowRules(key, settings.path, settings.prompt_field, settings.answer_field, answer_for, limits)
     path = Path(settings.path).expanduser()
     if not path.exists():
         if _HUB_ID.match(settings.path) and path.suffix not in FORMATS:
@@ -61,12 +78,21 @@ def load_rows(
                 f"{key}.path to DIR"
             )
         raise DatasetError(f"{key}.path {settings.path!r}: no such file or directory")
-    builder, blank = (None if path.is_dir() else _builder(path, key)), None
-    if builder is not None:
+    builder = None if path.is_dir() else _builder(path, key)
+    if builder is None:
+        with _offline():
+            rows: Rows = _read_saved(path, settings.split, key)
+    else:
         _single_split(path, settings.split, key)
-        blank = scan_file(path, builder, rules)  # before datasets: line numbers, and no row pyarrow would choke on
-    with _offline():
-        rows: Rows = _read(path, settings.split, cache_dir, builder, key, blank_line_hint(blank))
+        cached = cache_dir is not None or path.stat().st_size >= cache_from_bytes
+        with contextlib.ExitStack() as stack:
+            if cached:
+                place = dataset_cache.prepare(path, Path(cache_dir or dataset_cache.default_root()), key)
+            else:  # the rows in memory, the Arrow copy deleted (a pod's home may be read-only)
+                place = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="treetrain-data-")))
+            source, blank = _scan(path, builder, rules, place)
+            with _offline():
+                rows = _read_file(source, builder, place, cached, (path, key, blank_line_hint(blank)))
     missing = rules.missing_columns(getattr(rows, "column_names", None) or [])
     if missing is not None:
         raise missing
@@ -75,6 +101,26 @@ def load_rows(
     if builder != "json":  # JSON rows were checked as scan_file read them
         check_loaded(rows, rules)
     return rows
+
+
+def _scan(path: Path, builder: str, rules: RowRules, place: Path) -> tuple[Path, int | None]:
+    """Check the rows before datasets reads them (line numbers, and no row pyarrow would choke
+    on); the file datasets is to read and the first blank line. A JSON list is read from its
+    rows written as JSON lines in ``place`` (datasets would hold the whole list in memory)."""
+    if builder != "json" or not json_list(path, rules.limits.row):
+        return path, scan_file(path, builder, rules)
+    lines = place / "rows.jsonl"
+    if lines.exists():  # written by an earlier load of this version of the file: check only
+        scan_file(path, builder, rules)
+        return lines, None
+    partial = place / f"rows.{os.getpid()}.partial"
+    try:
+        scan_file(path, builder, rules, list_out=partial)
+        with contextlib.suppress(FileExistsError):  # another rank wrote the same rows first
+            os.link(partial, lines)
+    finally:
+        partial.unlink(missing_ok=True)
+    return lines, None
 
 
 def _builder(path: Path, key: str) -> str:
@@ -87,34 +133,40 @@ def _builder(path: Path, key: str) -> str:
     return builder
 
 
-def _read(path: Path, split: str, cache_dir: str | None, builder: str | None, key: str, hint: str) -> Any:
+def _read_saved(path: Path, split: str, key: str) -> Any:
     import datasets
 
-    if builder is None:
-        if not any((path / name).exists() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            raise DatasetError(
-                f"{key}.path {path} is a directory that datasets' save_to_disk did not write; point it at "
-                f"a {', '.join(FORMATS)} file or such a directory"
-            )
-        try:
-            found = datasets.load_from_disk(str(path))
-        except Exception as err:  # a damaged directory: one line, not a traceback
-            raise DatasetError(f"{key}.path {path}: cannot read it: {type(err).__name__}: {err}") from None
-        if isinstance(found, datasets.DatasetDict):
-            if split not in found:
-                raise DatasetError(f"{key}.split {split!r} is not in {path}; its splits: {', '.join(found)}")
-            return found[split]
-        _single_split(path, split, key)
-        return found
+    if not any((path / name).exists() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
+        raise DatasetError(
+            f"{key}.path {path} is a directory that datasets' save_to_disk did not write; point it at "
+            f"a {', '.join(FORMATS)} file or such a directory"
+        )
     try:
-        if cache_dir is not None:
-            return datasets.load_dataset(builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=cache_dir)
-        # No cache to keep (a pod's home may be read-only): the rows in memory, the Arrow copy deleted.
-        with tempfile.TemporaryDirectory(prefix="treetrain-data-") as tmp:
-            return datasets.load_dataset(
-                builder, data_files=str(path), split=SINGLE_SPLIT, cache_dir=tmp, keep_in_memory=True
-            )
-    except Exception as err:  # malformed CSV or Parquet, or JSON the scan let through
+        found = datasets.load_from_disk(str(path))
+    except Exception as err:  # a damaged directory: one line, not a traceback
+        raise DatasetError(f"{key}.path {path}: cannot read it: {type(err).__name__}: {err}") from None
+    if isinstance(found, datasets.DatasetDict):
+        if split not in found:
+            raise DatasetError(f"{key}.split {split!r} is not in {path}; its splits: {', '.join(found)}")
+        return found[split]
+    _single_split(path, split, key)
+    return found
+
+
+def _read_file(source: Path, builder: str, place: Path, mapped: bool, about: tuple[Path, str, str]) -> Any:
+    """``source`` read by datasets into Arrow files in ``place``: mapped from there, or (not
+    ``mapped``) loaded into memory. ``about``: the user's file, its config key, a hint for errors."""
+    import datasets
+
+    path, key, hint = about
+    try:
+        return datasets.load_dataset(
+            builder, data_files=str(source), split=SINGLE_SPLIT, cache_dir=str(place), keep_in_memory=not mapped
+        )
+    except Exception as err:  # malformed CSV or Parquet, or JSON the scan let through; a full disk
+        full = dataset_cache.no_space(err, path, place, key)
+        if full is not None:
+            raise full from None
         message = " ".join(str(err).split())[:300] or type(err).__name__
         raise DatasetError(f"{key}.path {path}: cannot read it as {builder}: {message}{hint}") from None
 
@@ -314,6 +366,7 @@ class DatasetTask:
         self.vocab_size: int = len(tokenizer)
         self.max_new_tokens: int = settings.max_new_tokens
         self.stop_token_ids: tuple[int, ...] = stop_token_ids(tokenizer)
+        self.limits = ByteLimits.for_episode(settings.max_episode_tokens)
         self._prompts: dict[int, list[int]] = {}  # row -> tokens: a group's episodes render it once
 
     def episode(self, seed: int) -> DatasetEpisode:
@@ -326,6 +379,9 @@ class DatasetTask:
         if tokens is None:
             try:
                 messages = prompt_messages(row, self.dataset)
+                size = prompt_bytes(messages, self.limits.prompt)  # by bytes, before the tokenizer
+                if size > self.limits.prompt:
+                    raise DatasetError(self.limits.prompt_message(self.dataset.prompt_field, size))
             except DatasetError as err:  # rows are checked when loaded: only a changed row gets here
                 raise DatasetError(f"trainer.dataset {self.dataset.path}: row index {index}: {err}") from None
             tokens = render_prompt(self.tokenizer, messages)

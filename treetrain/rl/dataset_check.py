@@ -6,24 +6,34 @@ not UTF-8 or not JSON, and a row nested past :data:`MAX_DEPTH` (pyarrow's JSON r
 process on a row nested 100,000 deep) are refused with the line number, which ``datasets`` would
 only log. The rows of JSON files are checked as read (``datasets`` may re-encode a column whose
 type changes between rows, hiding a bad value); Parquet, CSV and save_to_disk rows once loaded.
+
+Rows are sized by bytes before any tokenizer sees them (:class:`ByteLimits`): a prompt that
+cannot fit ``trainer.maxEpisodeTokens``, or a row too large to hold, is a bad row. The scan
+streams: it holds one row (at most ``ByteLimits.row`` bytes) and a chunk of the file, never
+the file, and never reads an over-long line whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from treetrain.config.schema import TrainerSettings
+from treetrain.rl.dataset_stream import ListError, bounded_lines, json_list_items
 from treetrain.rl.task import TaskError
 
 ROLES = ("system", "user", "assistant")
 MAX_DEPTH = 64  # nesting of a row's JSON; a list of {role, content} messages is 3 deep
-BATCH_ROWS = 4096  # rows converted to Python at once when checking loaded rows
-_BOM = b"\xef\xbb\xbf"
+# A token of text is 3 to 5 bytes in the common tokenizers: a prompt of more than 8 bytes a token
+# of trainer.maxEpisodeTokens is refused unread rather than tokenized (its reply could not fit).
+BYTES_PER_TOKEN = 8
+ROW_BYTES_MIN = 16 << 20  # a row may hold this much beside its prompt (rewards and agents read it)
 # A JSON string; an unterminated one runs to the end, so every match succeeds and the scan is
 # linear (with the closing quote required, each later quote of a hostile line rescans the rest).
 _JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?')
@@ -37,6 +47,38 @@ class DatasetError(TaskError):
 
 
 @dataclass(frozen=True)
+class ByteLimits:
+    """How large a row may be, in bytes, judged before tokenizing: its prompt at most ``prompt``
+    (``tokens`` x :data:`BYTES_PER_TOKEN`), the whole row (a JSON line, a CSV line, a JSON list
+    item, the checked columns of a loaded row) at most ``row``."""
+
+    tokens: int  # trainer.maxEpisodeTokens, named in the messages
+    prompt: int
+    row: int
+
+    @classmethod
+    def for_episode(cls, max_episode_tokens: int) -> ByteLimits:
+        prompt = max_episode_tokens * BYTES_PER_TOKEN
+        return cls(max_episode_tokens, prompt, max(ROW_BYTES_MIN, 4 * prompt))
+
+    def prompt_message(self, field_name: str, size: int) -> str:
+        return (
+            f"prompt {field_name!r} has {size:,} bytes, more than {self.prompt:,} ({BYTES_PER_TOKEN} a token of "
+            f"trainer.maxEpisodeTokens {self.tokens}), so it cannot fit an episode; fix: shorten or drop the row, "
+            "or raise trainer.maxEpisodeTokens"
+        )
+
+    def row_message(self) -> str:
+        return (
+            f"the row is longer than {self.row:,} bytes, the most one row may hold (the larger of "
+            f"{ROW_BYTES_MIN >> 20} MiB and 4 x the prompt's {self.prompt:,}); fix: shorten or drop the row"
+        )
+
+
+DEFAULT_LIMITS = ByteLimits.for_episode(TrainerSettings.model_fields["max_episode_tokens"].default)
+
+
+@dataclass(frozen=True)
 class RowRules:
     """What a row must hold: ``prompt_field`` always; ``answer_field`` when ``answer_for`` (the
     reward that compares replies with the answer) is set."""
@@ -46,6 +88,7 @@ class RowRules:
     prompt_field: str
     answer_field: str
     answer_for: str | None
+    limits: ByteLimits = DEFAULT_LIMITS
 
     @property
     def where(self) -> str:
@@ -62,6 +105,9 @@ class RowRules:
             bad = prompt_problem(prompt, self.prompt_field)
             if bad is not None:
                 return bad
+        size = prompt_bytes(prompt, self.limits.prompt) if prompt is not None else 0
+        if size > self.limits.prompt:
+            return self.limits.prompt_message(self.prompt_field, size)
         if self.answer_for is None:
             return None
         answer = row.get(self.answer_field)
@@ -120,6 +166,16 @@ def prompt_problem(prompt: Any, field_name: str) -> str | None:
 _PROMPT_FORMS = "a string or a list of {role, content} messages"
 
 
+def prompt_bytes(prompt: str | list[dict[str, Any]], limit: int) -> int:
+    """The UTF-8 bytes of a checked prompt's text, exact where that is near ``limit`` (a
+    character is 1 to 4 bytes: most prompts need no encoding to tell)."""
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    chars = sum(map(len, texts))
+    if chars * 4 <= limit:
+        return chars
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
 def describe(value: Any) -> str:
     """A short name of a value for a message: ``an int (7)``, ``a dict``, ``bytes``."""
     if value is None:
@@ -155,8 +211,11 @@ class Findings:
             self._seen.update(row)
         found = self.rules.problem(row)
         if found is not None:
-            self.bad += 1
-            self.first = self.first or f"{self.unit} {at}: {found}"
+            self.flag(at, found)
+
+    def flag(self, at: int, found: str) -> None:
+        self.bad += 1
+        self.first = self.first or f"{self.unit} {at}: {found}"
 
     def raise_any(self, rows: int) -> None:
         if rows == 0:
@@ -164,31 +223,41 @@ class Findings:
         missing = self.rules.missing_columns(self.columns)
         if missing is not None:
             raise missing
+        self.raise_first()
+
+    def raise_first(self) -> None:
         if self.first is not None:
             more = f" (and {self.bad - 1} more bad row{'s' if self.bad != 2 else ''})" if self.bad > 1 else ""
             raise DatasetError(f"{self.rules.where}: {self.first}{more}")
 
 
-def scan_file(path: Path, builder: str, rules: RowRules) -> int | None:
+def scan_file(path: Path, builder: str, rules: RowRules, list_out: Path | None = None) -> int | None:
     """Before ``datasets`` reads the file: not empty; text formats UTF-8; JSON files as
     ``datasets`` reads them (one object per line, or one list of objects), each row checked.
-    Returns the first blank line of a JSON-lines file (None: none), for :func:`blank_line_hint`."""
+    A JSON list's rows are written to ``list_out`` as JSON lines (``datasets`` would load the
+    whole list as Python objects); see :func:`json_list`. Returns the first blank line of a
+    JSON-lines file (None: none), for :func:`blank_line_hint`."""
     if path.stat().st_size == 0:
         raise DatasetError(
             f"{rules.where}: the file is empty (0 bytes); fix: point {rules.key}.path at a file with rows"
         )
     if builder == "parquet":
         return None
-    if not _has_text(path):
+    first = _first_text(path, rules.limits.row)
+    if first is None:
         raise DatasetError(f"{rules.where}: the file holds only blank lines; fix: write one row per line")
-    if builder == "json" and _first_byte(path) == b"[":
-        _scan_json_list(path, rules)
+    if builder == "json" and first == b"[":
+        _scan_json_list(path, rules, list_out)
     elif builder == "json":
         return _scan_json_lines(path, rules)
     else:
-        for _ in _utf8_lines(path, rules):
-            pass
+        _scan_text_lines(path, rules)
     return None
+
+
+def json_list(path: Path, limit: int) -> bool:
+    """Whether ``path`` (a .json file) holds one JSON list rather than JSON lines."""
+    return _first_text(path, limit) == b"["
 
 
 def blank_line_hint(blank: int | None) -> str:
@@ -203,29 +272,12 @@ def blank_line_hint(blank: int | None) -> str:
     )
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    with path.open("rb") as f:
-        for number, line in enumerate(f, 1):
-            yield number, line[len(_BOM) :] if number == 1 and line.startswith(_BOM) else line
-
-
-def _has_text(path: Path) -> bool:
-    return any(line.strip() for _, line in _lines(path))
-
-
-def _first_byte(path: Path) -> bytes:
-    for _, line in _lines(path):
-        if line.strip():
+def _first_text(path: Path, limit: int) -> bytes | None:
+    """The first non-blank byte of the file (None: only blank lines)."""
+    for _, line, whole in bounded_lines(path, limit):
+        if line.strip() or not whole:
             return line.lstrip()[:1]
-    return b""
-
-
-def _utf8_lines(path: Path, rules: RowRules) -> Iterator[tuple[int, bytes]]:
-    """The lines of ``path`` (bytes, a BOM dropped) once each is known to be UTF-8."""
-    for number, line in _lines(path):
-        if not line.isascii():  # ASCII is UTF-8: only the others need decoding
-            _decode(line, number, rules)
-        yield number, line
+    return None
 
 
 def _decode(line: bytes, number: int, rules: RowRules) -> str:
@@ -238,9 +290,24 @@ def _decode(line: bytes, number: int, rules: RowRules) -> str:
         ) from None
 
 
+def _scan_text_lines(path: Path, rules: RowRules) -> None:
+    """A CSV file: UTF-8, and no line longer than a row may be (a row is one line or more)."""
+    findings = Findings(rules, "line")
+    for number, line, whole in bounded_lines(path, rules.limits.row):
+        if not whole:
+            findings.flag(number, rules.limits.row_message())
+        elif not line.isascii():  # ASCII is UTF-8: only the others need decoding
+            _decode(line, number, rules)
+    findings.raise_first()
+
+
 def _scan_json_lines(path: Path, rules: RowRules) -> int | None:
     findings, rows, blank = Findings(rules, "line"), 0, None
-    for number, line in _lines(path):
+    for number, line, whole in bounded_lines(path, rules.limits.row):
+        if not whole:
+            rows += 1
+            findings.flag(number, rules.limits.row_message())
+            continue
         if line.isspace():
             blank = blank or number  # datasets skips blank lines, mostly (blank_line_hint)
             continue
@@ -266,35 +333,36 @@ def _scan_json_lines(path: Path, rules: RowRules) -> int | None:
     return blank
 
 
-def _scan_json_list(path: Path, rules: RowRules) -> None:
-    data = path.read_bytes().removeprefix(_BOM)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise DatasetError(
-            f"{rules.where}: line {line} is not UTF-8 text (byte 0x{data[err.start]:02x}); fix: save the file as UTF-8"
-        ) from None
-    if too_deep(data, MAX_DEPTH + 1):  # the list itself is one level
-        raise DatasetError(f"{rules.where}: a row nests deeper than {MAX_DEPTH} levels; {_FLATTEN}")
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DatasetError(
-            f"{rules.where}: line {err.lineno} column {err.colno} is not JSON ({err.msg}); fix: the file must be "
-            "one JSON list of objects, or one object per line"
-        ) from None
-    if not isinstance(rows, list):
-        raise DatasetError(f"{rules.where}: the file is {describe(rows)}; fix: a list of objects, or one per line")
-    findings = Findings(rules, "row index")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise DatasetError(
-                f"{rules.where}: row index {i} of the list is {describe(row)}, not an object; fix: make every "
-                "item an object"
-            )
-        findings.add(i, row)
-    findings.raise_any(len(rows))
+def _scan_json_list(path: Path, rules: RowRules, out: Path | None) -> None:
+    """The items of a JSON list one at a time; each written to ``out`` as one JSON line (a raw
+    newline or carriage return in JSON is whitespace: strings cannot hold one)."""
+    findings, rows = Findings(rules, "row index"), 0
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(out.open("w", encoding="utf-8")) if out is not None else None
+        try:
+            for index, text, row in json_list_items(path, rules.limits.row):
+                rows += 1
+                if len(text) > rules.limits.row:
+                    findings.flag(index, rules.limits.row_message())
+                    continue
+                if text.count("[") + text.count("{") > MAX_DEPTH and too_deep(text.encode(), MAX_DEPTH):
+                    raise ListError("", index, "deep")
+                if type(row) is not dict:
+                    raise DatasetError(
+                        f"{rules.where}: row index {index} of the list is {describe(row)}, not an object; fix: make "
+                        "every item an object"
+                    )
+                findings.add(index, row)
+                if sink is not None:
+                    sink.write(text.replace("\n", " ").replace("\r", " ") + "\n")
+        except ListError as err:
+            if err.kind == "deep":
+                raise DatasetError(
+                    f"{rules.where}: row index {err.row} nests deeper than {MAX_DEPTH} levels; {_FLATTEN}"
+                ) from None
+            found = f"row index {err.row}: {rules.limits.row_message()}" if err.kind == "long" else str(err)
+            raise DatasetError(f"{rules.where}: {found}") from None
+    findings.raise_any(rows)
 
 
 _FLATTEN = "fix: a row is an object of plain values (a prompt is a string or a list of {role, content} messages)"
@@ -315,21 +383,3 @@ def too_deep(data: bytes, bound: int) -> bool:
             return False
         brackets = shorter
     return True
-
-
-# -- rows once loaded -------------------------------------------------------------------------
-
-
-def check_loaded(rows: Any, rules: RowRules) -> None:
-    """Every loaded row (a ``datasets.Dataset``), by row index: its columns as Arrow batches,
-    only the checked ones converted to Python."""
-    findings = Findings(rules, "row index")
-    names = [f for f in rules.fields() if f in rows.column_names]
-    index = 0
-    for batch in rows.select_columns(names).with_format("arrow").iter(batch_size=BATCH_ROWS):
-        values = {name: batch.column(name).to_pylist() for name in names}
-        for offset in range(batch.num_rows):
-            findings.add(index + offset, {name: values[name][offset] for name in names})
-        index += batch.num_rows
-    findings.columns = list(rows.column_names)
-    findings.raise_any(index)
