@@ -1,8 +1,10 @@
-# syntax=docker/dockerfile:1
 # The RLJob operator image: `rljob operator`, with only the `operator` extra (no torch).
 #
 #   docker build -t ghcr.io/treetrain/rljob-operator:0.1.0 .
+#   make images    # cached by input hash, from a local Debian base when no registry answers
 #
+# No `# syntax=` line: BuildKit would fetch that frontend from a registry; the built-in one has
+# everything used here.
 # The Helm chart (charts/rljob-operator) runs it as user 65532 with a read-only root filesystem.
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 # The project version (pyproject.toml); tests/unit/test_trainer_image.py keeps them equal.

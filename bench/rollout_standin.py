@@ -56,6 +56,7 @@ class RolloutStandin:
         load_delay_s: float = 0.0,
         max_running: int | None = None,
         port: int = 0,
+        host: str = "127.0.0.1",
     ) -> None:
         if not 0 <= first_token < vocab:
             raise ValueError(f"first_token must be in [0, vocab): got {first_token} with vocab {vocab}")
@@ -77,12 +78,13 @@ class RolloutStandin:
         self._busy_since = 0.0
         self._busy = 0.0
         self._closed = False
-        self.server = _Server(("127.0.0.1", port), _handler(self))
+        # host: 127.0.0.1 here; 0.0.0.0 only inside a pod's own network (tests/images/rollout-standin).
+        self.server = _Server((host, port), _handler(self))
         self.thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="rollout-standin", daemon=True
         )
         self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.server.server_port}"
 
     def __enter__(self) -> RolloutStandin:
         return self

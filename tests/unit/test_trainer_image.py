@@ -245,17 +245,63 @@ def test_operator_dockerfile() -> None:
 
 def test_trainer_dockerfile() -> None:
     ins = instructions(ROOT / "trainer-image" / "Dockerfile")
-    assert any(k == "ARG" and a.startswith("BASE_IMAGE=pytorch/pytorch:") and "cuda" in a for k, a in ins)
+    args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
+    # A public base that `make images` can replace by its local Debian one; torch comes from PyPI.
+    assert args["BASE_IMAGE"].startswith("python:3.11-slim") and args["ROLLOUT"] == "none"
     runs = " ".join(a for k, a in ins if k == "RUN")
-    assert '"/opt/treetrain[train,megatron,tracking]"' in runs and "sglang" in runs and "vllm" in runs
+    assert "requirements.py /tmp/deps/pyproject.toml train,megatron,tracking" in runs
+    assert '"torch==${TORCH_VERSION}"' in runs and "sglang[srt]==" in runs and "vllm==" in runs
     copies = [a for k, a in ins if k == "COPY"]
-    assert "--chmod=0755 trainer-image/entrypoint.py /usr/local/bin/treetrain-entrypoint" in copies
+    assert "trainer-image/entrypoint.py /usr/local/bin/treetrain-entrypoint" in copies
     assert [a for k, a in ins if k == "ENTRYPOINT"] == ['["treetrain-entrypoint"]']
     (user,) = [a for k, a in ins if k == "USER"]
     assert user.split(":")[0] not in ("0", "root")
+    # No source tree in the final image's working directory: `python -m` puts it on sys.path, and
+    # the repository's operator/ hides the standard library's `operator` (and `import torch`).
+    workdirs = [a for k, a in ins if k == "WORKDIR"]
+    assert workdirs[-1] == "/home/treetrain"
+    final = ins[max(i for i, (k, _) in enumerate(ins) if k == "FROM") :]
+    assert not any(k == "COPY" and ("treetrain " in a + " " or "operator " in a + " ") for k, a in final)
     # The trainer listens on the port the operator declares for scraping.
     exposed = " ".join(a for k, a in ins if k == "EXPOSE").split()
     assert "9400" in exposed
+
+
+def test_one_torch_for_the_trainer_image_pyproject_and_the_code() -> None:
+    """The trainer image's pinned torch satisfies pyproject's `torch>=`, so does the torch the tests
+    run on, and both have what the engines call (torch.foreach: absent from 2.14, which the old
+    base image had; the first optimizer step failed with AttributeError)."""
+    import torch
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    (req,) = [
+        Requirement(r)
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+        if r.startswith("torch")
+    ]
+    pinned = re.search(r"^ARG TORCH_VERSION=(\S+)$", (ROOT / "trainer-image" / "Dockerfile").read_text(), re.M)
+    assert pinned is not None
+    assert Version(pinned.group(1)) in req.specifier, (pinned.group(1), str(req))
+    assert Version(torch.__version__.split("+")[0]) in req.specifier
+    assert Version("2.14.1") not in req.specifier  # the torch that the SGLang and vLLM pins bring
+    assert callable(torch.foreach.norm) and callable(torch.foreach.mul_)
+
+
+def test_requirements_script_lists_the_extras() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "trainer-image" / "requirements.py"), str(ROOT / "pyproject.toml"), "train,megatron"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("\n")
+    assert lines[0].startswith("lark") and any(x.startswith("torch>=") for x in lines)
+    assert any(x.startswith("megatron-core") for x in lines) and not any(x.startswith("kopf") for x in lines)
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "trainer-image" / "requirements.py"), str(ROOT / "pyproject.toml"), "trian"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "no extra trian" in bad.stderr
 
 
 def test_trainer_command_module_runs() -> None:
