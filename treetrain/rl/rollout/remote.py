@@ -65,7 +65,7 @@ class MixedRollout(RolloutClient):
             c.gate = self.gate
 
     @property
-    def vocab_size(self) -> int | None:  # type: ignore[override]
+    def vocab_size(self) -> int | None:
         return self.clients[0].vocab_size
 
     @vocab_size.setter
