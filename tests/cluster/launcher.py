@@ -44,6 +44,17 @@ LOG_TAIL_LINES = 40
 SERVICE_CIDR = "127.4.0.0/16"
 
 
+def realnode_module() -> Any:
+    """tests/cluster/realnode.py, imported when a real node is asked for. It imports this module
+    by name, so a launcher run as a script registers itself as `launcher` first (one ClusterError)."""
+    sys.modules.setdefault("launcher", sys.modules[__name__])
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import realnode
+
+    return realnode
+
+
 class ClusterError(Exception):
     """A failure with a message meant for the person who ran the command."""
 
@@ -113,7 +124,7 @@ def openssl(*args: str, cwd: Path) -> None:
         raise ClusterError(f"openssl {' '.join(args)} failed:\n{res.stderr.strip()}")
 
 
-def make_certs(pki: Path) -> None:
+def make_certs(pki: Path, extra_ips: tuple[str, ...] = ()) -> None:
     """A throw-away CA (ECDSA P-256, 7 days), a serving certificate for 127.0.0.1 used by every
     component, the admin client certificate (group system:masters) and the service-account
     signing key."""
@@ -129,7 +140,7 @@ def make_certs(pki: Path) -> None:
     leaves = {
         "serving": (
             "/CN=127.0.0.1",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost" + "".join(f",IP:{ip}" for ip in extra_ips),
             "extendedKeyUsage=serverAuth",
         ),
         "admin": ("/O=system:masters/CN=admin", None, "extendedKeyUsage=clientAuth"),
@@ -242,9 +253,13 @@ class Config:
     build: bool
     owner_pid: int | None
     bin_dir: Path | None = None
+    # A real kubelet beside the kwok nodes (tests/cluster/realnode.py), advertising this many
+    # nvidia.com/gpu with no device behind them (GPU-requesting pods of CPU RLJobs run there).
+    real_node: bool = False
+    real_node_gpus: int = 0
 
     def __post_init__(self) -> None:
-        if self.nodes < 0 or self.cpu_nodes < 0 or self.nodes + self.cpu_nodes == 0:
+        if self.nodes < 0 or self.cpu_nodes < 0 or self.nodes + self.cpu_nodes + self.real_node == 0:
             raise ClusterError(f"--nodes {self.nodes} --cpu-nodes {self.cpu_nodes}: need at least one node in all")
         if self.nodes + self.cpu_nodes > 250:
             raise ClusterError("at most 250 simulated nodes (one loopback /24 of pod IPs each)")
@@ -464,7 +479,7 @@ def parse_duration_ms(text: str) -> int:
 # What `up` writes into its directory; anything else there means it is not ours to delete.
 STATE_ENTRIES = {
     "logs", "pki", "etcd", "apiserver-certs", "state.json", "state.json.tmp", "admin.kubeconfig",
-    "stages.yaml", "scheduler.yaml", "env.sh", "watchdog.json",
+    "stages.yaml", "scheduler.yaml", "env.sh", "watchdog.json", "realnode", "env.real-node",
 }  # fmt: skip
 
 
@@ -511,7 +526,7 @@ def up(cfg: Config) -> Cluster:
 
     c = Cluster(cfg=cfg, bin=bin_dir)
     c.logs.mkdir(parents=True)
-    make_certs(c.pki)
+    make_certs(c.pki, extra_ips=(realnode_module().NODE_IP,) if cfg.real_node else ())
     pki = c.pki
     for key in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler"):
         c.ports[key] = free_port()
@@ -571,8 +586,17 @@ leaderElection:
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
             # Pods in a fresh namespace must not race the controller that creates its
-            # `default` ServiceAccount; simulated pods mount no tokens anyway.
-            "--disable-admission-plugins=ServiceAccount",
+            # `default` ServiceAccount; simulated pods mount no tokens anyway. A real node's pods
+            # do (the operator's): there the plugin stays, and logs/exec reach the kubelet.
+            *(
+                [
+                    "--kubelet-preferred-address-types=InternalIP",
+                    f"--kubelet-client-certificate={pki / 'admin.crt'}",
+                    f"--kubelet-client-key={pki / 'admin.key'}",
+                ]
+                if cfg.real_node
+                else ["--disable-admission-plugins=ServiceAccount"]
+            ),
             f"--requestheader-client-ca-file={pki / 'ca.crt'}",
             "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User",
@@ -688,6 +712,8 @@ leaderElection:
     )
     c.wait("nodes Ready (kwok)", nodes_ready, deadline, "kwok")
     c.wait("default ServiceAccount (controllers)", sa_ready, deadline, "kube-controller-manager")
+    if cfg.real_node:
+        realnode_module().up(c, api, deadline)
 
     env = {"KUBECONFIG": str(c.kubeconfig), "TREETRAIN_CLUSTER_DIR": str(d)}
     (d / "env.sh").write_text(exports(env, c.bin))
@@ -716,6 +742,10 @@ def down(d: Path, *, keep_logs: bool, quiet: bool = False) -> None:
     state = json.loads(state_file.read_text())
     procs: dict[str, dict[str, Any]] = state.get("processes", {})
     order = [n for n in reversed(COMPONENTS) if n in procs] + [n for n in procs if n not in COMPONENTS]
+    if any(n in procs for n in ("kubelet", "containerd")):
+        # Its pods go while the kubelet and the API server still run, then its processes.
+        api = Api(state["server"], d / "pki") if "kube-apiserver" in procs and alive(procs["kube-apiserver"]) else None
+        realnode_module().down(d, procs, stop, api)
     live = [n for n in order if alive(procs[n])]
     # Clients first, then the apiserver, then etcd: an apiserver whose etcd is gone, or that
     # still has controllers attached, takes long to shut down.
@@ -864,6 +894,17 @@ def main(argv: list[str] | None = None) -> int:
         help="fail instead of building when the binaries are missing",
     )
     p_up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="add one real node (kubelet, containerd, CNI bridge; needs root and `make images node-bin`)",
+    )
+    p_up.add_argument(
+        "--real-node-gpus",
+        type=int,
+        default=0,
+        help="nvidia.com/gpu the real node advertises, with no device behind them (default 0)",
+    )
+    p_up.add_argument(
         "--owner-pid",
         type=int,
         default=None,
@@ -902,6 +943,8 @@ def main(argv: list[str] | None = None) -> int:
                 timeout=args.timeout,
                 build=not args.no_build,
                 owner_pid=args.owner_pid,
+                real_node=args.real_node,
+                real_node_gpus=args.real_node_gpus,
             )
             # Outside the clean-up below, which must never stop a cluster that this call did not start.
             check_not_running(cfg.dir)
