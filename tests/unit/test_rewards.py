@@ -1,5 +1,6 @@
 """Rewards of dataset rows (treetrain.rl.rewards): the built-ins, user rewards by import string,
-and the runner that keeps a raising or hanging reward from stopping (or stalling) a step."""
+and the runner that keeps a raising or hanging reward from stopping (or stalling) a step. The
+runners share one pool of worker processes (treetrain.rl.rewards_pool), closed at the end."""
 
 from __future__ import annotations
 
@@ -12,11 +13,21 @@ from typing import Any
 
 import pytest
 
-from treetrain.rl.rewards import MAX_STUCK, RewardError, RewardRunner, final_answer, load_reward
+from treetrain.rl.rewards import RewardError, RewardRunner, final_answer, load_reward
+from treetrain.rl.rewards_pool import RewardPool
+
+POOL = RewardPool(max_workers=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pool() -> Iterator[None]:
+    yield
+    POOL.close()
 
 
 def runner(fn: Any, timeout_s: float = 30.0, **kwargs: Any) -> tuple[RewardRunner, list[str]]:
     lines: list[str] = []
+    kwargs.setdefault("pool", POOL)
     return RewardRunner(fn, timeout_s=timeout_s, answer_field="answer", log=lines.append, **kwargs), lines
 
 
@@ -56,7 +67,7 @@ def test_math_compares_final_answers_as_mathematics(
     "bomb", [r"\boxed{9^{9^{9^{9}}}}", "9**9**9**9", r"\boxed{1000000000!}", r"\boxed{10^{-100000000}}"]
 )
 def test_a_parse_bomb_scores_zero_within_the_timeout(math_runner: RewardRunner, bomb: str) -> None:
-    # Computing 9^(9^9) in C holds the GIL: no thread could time it out, so it is never computed.
+    # Computing 9^(9^9) in C holds the GIL for hours: the bounds refuse it before it starts.
     start = time.monotonic()
     assert math_runner.score(bomb, {"answer": "42"}, "t") == 0.0
     assert time.monotonic() - start < math_runner.timeout_s
@@ -70,7 +81,7 @@ def test_math_counts_a_row_without_an_answer_as_an_error() -> None:
 
 
 def test_the_runner_reads_the_configured_answer_field() -> None:
-    run = RewardRunner(load_reward("builtin:exact", {}), timeout_s=5, answer_field="solution", log=print)
+    run = RewardRunner(load_reward("builtin:exact", {}), timeout_s=5, answer_field="solution", log=print, pool=POOL)
     assert run.score(" 7 ", {"solution": "#### 7", "answer": "8"}, "t") == 1.0
 
 
@@ -108,13 +119,14 @@ def test_a_reward_that_cannot_load_is_one_line(spec: str, args: dict[str, Any], 
 
 
 USER_MODULE = """
-import threading
-RELEASE = threading.Event()
-CALLS = []
+import os, sys, time
 
 def score(completion, row, bonus=0.0):
-    CALLS.append(completion)
     return float(completion == row["answer"]) + bonus
+
+def where(completion, row):
+    # The worker process: not the caller's, and without torch.
+    return float(os.getpid()) if "torch" not in sys.modules else -1.0
 
 def boom(completion, row):
     if completion == "boom":
@@ -123,7 +135,7 @@ def boom(completion, row):
 
 def hang(completion, row):
     if completion == "hang":
-        RELEASE.wait(120)
+        time.sleep(120)
     return 1.0
 
 async def later(completion, row):
@@ -145,14 +157,16 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
 
     module = importlib.import_module(name)
     yield name, module
-    module.RELEASE.set()  # hung calls finish, their threads end
 
 
 def test_an_import_string_gets_the_row_and_reward_args(user_module: Any) -> None:
-    name, module = user_module
+    name, _ = user_module
     run, _ = runner(load_reward(f"{name}:score", {"bonus": 0.5}))
     assert run.score("42", {"answer": "42"}, "t") == 1.5
-    assert module.CALLS == ["42"]
+    import os
+
+    pid = runner(load_reward(f"{name}:where", {}))[0].score("", {}, "t")
+    assert pid > 0 and pid != os.getpid()  # run in a worker process, which never imports torch
     assert runner(load_reward(f"{name}:later", {}))[0].score("x", {}, "t") == 0.25  # async def works too
     with pytest.raises(RewardError, match=f"reward module '{name}' has no callable 'missing'"):
         load_reward(f"{name}:missing", {})
@@ -186,17 +200,20 @@ def test_a_hanging_reward_times_out_and_does_not_block_the_next(user_module: Any
     assert run.score("fine", {}, "t") == 1.0
 
 
-def test_stuck_calls_are_capped(user_module: Any) -> None:
-    name, module = user_module
-    run, lines = runner(load_reward(f"{name}:hang", {}), timeout_s=0.3, max_stuck=1)
-    assert run.score("hang", {}, "a") == 0.0  # its thread still holds the one slot
-    assert run.score("fine", {}, "b") == 0.0  # no slot within the timeout: fails fast, counted
-    assert run.failures["timeout"] == 2 and "still running" in lines[1]
-    module.RELEASE.set()
-    deadline = time.monotonic() + 60
-    while run.score("fine", {}, "c") != 1.0:  # the slot comes back once the hung call returns
-        assert time.monotonic() < deadline
-    assert MAX_STUCK >= 1
+def test_calls_past_the_workers_wait_for_a_free_one(user_module: Any) -> None:
+    name, _ = user_module
+    one = RewardPool(max_workers=1)
+    try:
+        run, _ = runner(load_reward(f"{name}:hang", {}), timeout_s=0.5, pool=one)
+        out: list[float] = []
+        hung = threading.Thread(target=lambda: out.append(run.score("hang", {}, "a")))
+        hung.start()
+        # Waits for the one worker: it is killed at the hung call's timeout, and the call runs.
+        assert run.score("fine", {}, "b") == 1.0
+        hung.join(60)
+        assert out == [0.0] and run.failures == {"error": 0, "timeout": 1}
+    finally:
+        one.close()
 
 
 def test_scores_from_many_threads_are_counted_once_each(user_module: Any) -> None:

@@ -6,30 +6,29 @@ matches; a named group ``answer`` must equal the row's answer). A GSM8K answer e
 ``#### 42``: only the text after the last ``####`` is the answer, in the row and in the reply.
 User rewards plug in as ``package.module:function``, called ``fn(completion, row, **rewardArgs)``.
 
-Reward code is untrusted and may be slow: :class:`RewardRunner` calls it off the calling thread
-with a timeout, scores a failure 0 (counted, logged once), and never raises.
+Reward code is untrusted and may be slow: :class:`RewardRunner` runs it in a worker process
+(treetrain.rl.rewards_pool) whose call a timeout can stop, scores a failure 0 (counted, logged
+once), and raises only when SIGTERM stops the call (``TaskInterrupted``: the step is abandoned).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import functools
 import inspect
-import math
-import numbers
 import re
+import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from treetrain.metrics import REWARD_FAILURE_REASONS as FAILURE_REASONS
-from treetrain.rl.task import TaskError, _first_line, _import
+from treetrain.rl.rewards_math import MathAnswerError, math_verdict
+from treetrain.rl.rewards_pool import PoolError, RewardPool, RewardTimeout
+from treetrain.rl.rewards_worker import Recipe
+from treetrain.rl.task import TaskError, _import
 
 GSM8K_MARK = "####"
-MAX_STUCK = 4  # reward calls left running past their timeout at once; past it calls fail fast
-MAX_DIGITS = 10_000  # math: numbers a reply may make sympy compute (9^(9^9) would hold the GIL for ever)
 
 
 class RewardError(ValueError):
@@ -52,6 +51,7 @@ class AnswerReward:
     name: str
     compare: Callable[[str, str | None], float]
     answer_field: str = "answer"
+    args: dict[str, Any] = field(default_factory=dict)  # rewardArgs: a worker makes the reward again from them
 
     def __call__(self, completion: str, row: dict[str, Any]) -> float:
         answer = row.get(self.answer_field)
@@ -82,73 +82,17 @@ def regex_reward(pattern: re.Pattern[str]) -> Callable[[str, str | None], float]
 
 
 def math_reward(completion: str, answer: str | None) -> float:
-    """1.0 when math-verify finds the reply's final answer equal to the row's. Its own signal
-    timeouts work on the main thread only, so they are off; the runner's timeout bounds a call,
-    and :func:`_too_big` refuses numbers whose computing would hold the GIL (no thread could time
-    that out)."""
-    from math_verify import parse, verify
-
-    gold = _parse_gold(final_answer(_need(answer, "builtin:math")))
-    if not gold:
+    """1.0 when math-verify finds the reply's final answer equal to the row's, within the bounds
+    of treetrain.rl.rewards_math (a row's answer past them is a RewardError naming the bound);
+    a row's answer that holds no mathematics is compared as text."""
+    gold = final_answer(_need(answer, "builtin:math"))
+    try:
+        verdict = math_verdict(final_answer(completion), gold)
+    except MathAnswerError as err:
+        raise RewardError(f"builtin:math: {err}") from None
+    if verdict is None:
         return exact_reward(completion, answer)
-    pred = parse(final_answer(completion), parsing_timeout=None)
-    if not pred or any(_too_big(p) for p in pred):
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
-
-
-@functools.lru_cache(maxsize=4096)
-def _parse_gold(text: str) -> list[Any]:
-    from math_verify import parse
-
-    _quiet_math_verify()
-    return list(parse(text, parsing_timeout=None))
-
-
-def _quiet_math_verify() -> None:
-    """math-verify warns once that its timeouts are off: they are, on purpose (see math_reward)."""
-    from math_verify import grader, parser
-
-    grader.TIMEOUT_WARNING_SHOWN = True
-    parser.TIMEOUT_WARNING_SHOWN = True
-
-
-def _too_big(expr: Any) -> bool:
-    """Whether evaluating ``expr`` could make a number of more than MAX_DIGITS digits."""
-    import sympy
-
-    if not isinstance(expr, sympy.Basic):
-        return False
-    return any((_digits(node) or 0.0) > MAX_DIGITS for node in sympy.preorder_traversal(expr))
-
-
-def _digits(node: Any) -> float | None:
-    """An upper bound of the digits of a numeric sympy tree's value (numerator or denominator,
-    which cost the same to compute); None where it is not a plain number tree."""
-    import sympy
-
-    if isinstance(node, sympy.Rational):  # Integer too
-        return max(abs(int(node.p)).bit_length(), int(node.q).bit_length()) * 0.30103 + 1
-    if isinstance(node, sympy.Float | sympy.NumberSymbol):
-        return 400.0  # a float's exponent is bounded
-    parts = [_digits(a) for a in node.args]
-    if not parts or any(p is None for p in parts):
-        return None
-    known = [p for p in parts if p is not None]
-    if isinstance(node, sympy.Add):
-        return max(known) + 1
-    if isinstance(node, sympy.Mul):
-        return sum(known)
-    if isinstance(node, sympy.Pow):
-        base, exp = known
-        if exp > 7:
-            return math.inf
-        power = abs(int(node.exp.p)) if isinstance(node.exp, sympy.Rational) else 10.0**exp
-        return base * power
-    if isinstance(node, sympy.factorial | sympy.factorial2 | sympy.subfactorial | sympy.gamma | sympy.binomial):
-        n = max(known)
-        return math.inf if n > 7 else 10.0**n * n
-    return max(known)
+    return 1.0 if verdict else 0.0
 
 
 def load_reward(spec: str, args: dict[str, Any]) -> RewardFn:
@@ -170,7 +114,7 @@ def load_reward(spec: str, args: dict[str, Any]) -> RewardFn:
             raise RewardError(
                 f"trainer.rewardArgs.pattern {pattern!r} is not a valid regular expression: {err}"
             ) from None
-        return AnswerReward(spec, regex_reward(compiled))
+        return AnswerReward(spec, regex_reward(compiled), args=dict(args))
     if spec.startswith("builtin:"):
         raise RewardError(f"unknown built-in reward {spec!r}; built-in: builtin:math, builtin:exact, builtin:regex")
     module_name, sep, attr = spec.partition(":")
@@ -209,8 +153,8 @@ def _no_args(spec: str, args: dict[str, Any], takes: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ImportedReward:
-    """A user reward: ``fn(completion, row, **args)``; an async one is run to its end on the
-    runner's thread (which has no event loop of its own)."""
+    """A user reward: ``fn(completion, row, **args)``; an async one is run to its end (in the
+    worker process, which has no event loop of its own)."""
 
     spec: str
     fn: Callable[..., Any]
@@ -224,12 +168,13 @@ class ImportedReward:
 
 
 class RewardRunner:
-    """Scores replies with a reward function off the calling thread, each call bounded by
-    ``timeout_s``. An error, a timeout, or a result that is not a finite number scores 0.0,
-    counts in ``failures`` and logs one line naming where (step, group, row). A hung call is
-    abandoned (its daemon thread runs on); at most MAX_STUCK run at once, so a reward that
-    always hangs costs threads up to that cap, and calls past it fail as timeouts at once
-    rather than pile up."""
+    """Scores replies with a reward made by :func:`load_reward`, each call in a worker process
+    of ``pool`` (its own when None) and bounded by ``timeout_s``. An error, a timeout, or a
+    result that is not a finite number scores 0.0, counts in ``failures`` and logs one line
+    naming where (step, group, row). A call past its timeout has its worker killed: a reward
+    stuck in C (holding its interpreter's lock) costs one timeout, and the next call gets a
+    fresh worker. After :meth:`stop` (SIGTERM) calls end within the grace, raising
+    ``TaskInterrupted``."""
 
     def __init__(
         self,
@@ -238,42 +183,48 @@ class RewardRunner:
         timeout_s: float,
         answer_field: str,
         log: Callable[[str], None],
-        max_stuck: int = MAX_STUCK,
+        pool: RewardPool | None = None,
     ) -> None:
-        self.fn: RewardFn = dataclasses.replace(fn, answer_field=answer_field) if isinstance(fn, AnswerReward) else fn
+        self.recipe = recipe_of(fn, answer_field)
         self.timeout_s = timeout_s
         self.log = log
         self.failures: dict[str, int] = dict.fromkeys(FAILURE_REASONS, 0)
-        self._slots = threading.BoundedSemaphore(max_stuck)
+        self.pool = pool if pool is not None else RewardPool()
+        self._owns_pool = pool is None
         self._lock = threading.Lock()
 
     def score(self, completion: str, row: dict[str, Any], where: str) -> float:
-        if not self._slots.acquire(timeout=self.timeout_s):
-            return self._fail("timeout", where, f"{MAX_STUCK} earlier reward calls are still running past the timeout")
-        out: list[Any] = []
-        done = threading.Event()
-
-        def work() -> None:
-            try:
-                out.append(("value", self.fn(completion, row)))
-            except BaseException as err:  # the reward's own code: any failure scores 0
-                out.append(("error", err))
-            finally:
-                self._slots.release()
-                done.set()
-
-        threading.Thread(target=work, name="treetrain-reward", daemon=True).start()
-        if not done.wait(self.timeout_s):
-            return self._fail("timeout", where, f"took longer than trainer.rewardTimeoutSeconds ({self.timeout_s:g}s)")
-        kind, value = out[0]
+        try:
+            kind, value = self.pool.call(self.recipe, completion, row, self.timeout_s)
+        except RewardTimeout as err:
+            return self._fail("timeout", where, str(err))
+        except PoolError as err:
+            return self._fail("error", where, str(err))
         if kind == "error":
-            return self._fail("error", where, f"{type(value).__name__}: {_first_line(value)}")
-        if isinstance(value, numbers.Real) and math.isfinite(value):
-            return float(value)
-        return self._fail("error", where, f"returned {type(value).__name__} {value!r:.60}, not a finite number")
+            return self._fail("error", where, str(value))
+        return float(value)
+
+    def stop(self) -> None:
+        """SIGTERM (from its handler): calls end within the grace."""
+        self.pool.stop()
+
+    def close(self) -> None:
+        """End the worker processes (of the runner's own pool; a shared one is its owner's)."""
+        if self._owns_pool:
+            self.pool.close()
 
     def _fail(self, reason: str, where: str, detail: str) -> float:
         with self._lock:
             self.failures[reason] += 1
         self.log(f"reward {reason} at {where}: {detail}; scored 0.0")
         return 0.0
+
+
+def recipe_of(fn: RewardFn, answer_field: str) -> Recipe:
+    """What a worker process needs to make ``fn`` again: its spec, rewardArgs, the answer column,
+    and this process's import path."""
+    if isinstance(fn, AnswerReward):
+        return Recipe(fn.name, dict(fn.args), answer_field, tuple(sys.path))
+    if isinstance(fn, ImportedReward):
+        return Recipe(fn.spec, dict(fn.args), answer_field, tuple(sys.path))
+    raise TypeError(f"RewardRunner runs rewards made by load_reward, not {type(fn).__name__}")
