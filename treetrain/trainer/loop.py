@@ -765,6 +765,7 @@ class Trainer:
             self._sigterm = True
             self.progress.request_stop()  # local generation stops at its next check
             self.task_clock.stop_soon()  # a task call that hangs is stopped, not waited for
+            self.sources.stop_rewards()  # so is a reward call (its worker process is killed)
             if self.controller is not None:
                 self.controller.halt()  # groups of later steps wait for the resumed run
 
