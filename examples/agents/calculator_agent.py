@@ -6,6 +6,14 @@ a tool call, scores that answer against ``row["answer"]`` with treetrain's ``bui
 (GSM8K's ``#### N`` convention). The trainer trains on every completion the proxy recorded for
 the run, with the returned reward.
 
+Before the question go two worked examples, as earlier turns of the conversation: a question, the
+calculator call, the tool's result, the answer. The embedded 135M model never writes a tool call
+from a description alone (its chat template does not show ``tools``), but copies the pattern of
+two examples in about a third of its first tries: enough for RL to have something to reinforce.
+The proxy did not write those assistant turns, so each run's first request counts as one
+``edited`` fresh render; it had nothing to extend anyway, and the later turns extend it token for
+token.
+
 Each assistant message goes back into the conversation exactly as the endpoint returned it: the
 proxy then extends the earlier prompt's tokens with the sampled ones instead of re-rendering the
 conversation (docs/agents.md, "Token in, token out").
@@ -29,8 +37,12 @@ import openai
 from treetrain.rl.rewards import math_reward
 
 SYSTEM = (
-    "Solve the problem step by step. Use the calculator tool for any arithmetic. "
-    "End your reply with the final answer as '#### NUMBER'."
+    "You are a helpful assistant with a calculator tool. Use it for the arithmetic, then answer with just the number."
+)
+# (question, expression, result): the worked examples every run starts with (see the module's docstring).
+EXAMPLES = (
+    ("Ana buys 12 boxes with 34 pencils in each. How many pencils does Ana buy?", "12 * 34", "408"),
+    ("There are 57 rows with 21 trees on each. How many trees are there?", "57 * 21", "1197"),
 )
 CALCULATOR: dict[str, Any] = {
     "type": "function",
@@ -135,11 +147,33 @@ def question(row: dict[str, Any]) -> str:
     raise ValueError(f"the row has no question or prompt string (keys: {sorted(row)})")
 
 
-async def run(client: openai.AsyncOpenAI, row: dict[str, Any], *, model: str = "policy", max_turns: int = 4) -> float:
+def worked_examples() -> list[dict[str, Any]]:
+    """EXAMPLES as conversation turns. Each call is in ``tool_calls`` (OpenAI's message rules want one
+    before a tool message) and, as the text the model writes, in ``content``: the embedded model's
+    chat template shows only content."""
+    messages: list[dict[str, Any]] = []
+    for i, (text, expression, result) in enumerate(EXAMPLES):
+        arguments = json.dumps({"expression": expression})
+        call = {"id": f"example_{i}", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+        written = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+        messages += [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": written, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result},
+            {"role": "assistant", "content": result},
+        ]
+    return messages
+
+
+async def run(client: openai.AsyncOpenAI, row: dict[str, Any], *, model: str = "policy", max_turns: int = 3) -> float:
     """One episode: up to ``max_turns`` completions; the reward of the first reply without a tool
     call, or 0.0 when the model is still calling tools after ``max_turns``. ``model``: the trainer's
     proxy serves one model under any name; give the real name for another server."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question(row)}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        *worked_examples(),
+        {"role": "user", "content": question(row)},
+    ]
     for _ in range(max_turns):
         completion = await client.chat.completions.create(
             model=model,

@@ -1,6 +1,8 @@
-"""A small GSM8K-shaped dataset of our own making: grade-school word problems with a worked
-answer ending in ``#### N``, the format ``builtin:math`` and ``builtin:exact`` read. Deterministic
-by seed, written in every format ``trainer.dataset.path`` reads (tests use it too):
+"""Easy math word problems of our own making, GSM8K-shaped: one addition of small numbers, the
+question ending with the answer format the reward reads ("Answer with just the number."), a
+worked answer ending in ``#### N`` (what ``builtin:math`` and ``builtin:exact`` read). Easy enough
+that the embedded 135M model solves some, so GRPO groups differ and it learns. Deterministic by
+seed, written in every format ``trainer.dataset.path`` reads (tests use it too):
 
     python examples/gsm8k/make_data.py     # rewrites train.jsonl (64 rows) and test.jsonl (16 rows) here
 """
@@ -17,39 +19,24 @@ from typing import Any
 FORMATS = ("jsonl", "json", "parquet", "csv", "disk")
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivo", "Jun", "Kemi", "Luca")
 THINGS = ("apples", "marbles", "stickers", "books", "pencils", "shells", "cards", "stamps")
+FORMAT = "Answer with just the number."
 
 
-def _buy(rng: random.Random) -> tuple[str, str, int]:
+def _gets(rng: random.Random) -> tuple[str, str, int]:
     who, thing = rng.choice(NAMES), rng.choice(THINGS)
-    packs, per, extra = rng.randint(2, 9), rng.randint(2, 12), rng.randint(1, 20)
-    total = packs * per + extra
-    question = f"{who} buys {packs} packs of {thing} with {per} in each pack, and already has {extra}. How many {thing} does {who} have now?"
-    work = f"{packs} packs of {per} is {packs} * {per} = {packs * per}. With {extra} more, {packs * per} + {extra} = {total}."
-    return question, work, total
+    have, more = rng.randint(2, 12), rng.randint(2, 9)
+    question = f"{who} has {have} {thing} and gets {more} more. How many {thing} does {who} have now?"
+    return question, f"{have} + {more} = {have + more}", have + more
 
 
-def _share(rng: random.Random) -> tuple[str, str, int]:
+def _together(rng: random.Random) -> tuple[str, str, int]:
     who, thing = rng.sample(NAMES, 2), rng.choice(THINGS)
-    friends, each, kept = rng.randint(2, 8), rng.randint(2, 10), rng.randint(0, 9)
-    total = friends * each + kept
-    question = f"{who[0]} had {total} {thing}, gave {each} to each of {friends} friends and kept the rest. How many {thing} did {who[0]} keep?"
-    work = f"{who[0]} gave away {friends} * {each} = {friends * each}. {total} - {friends * each} = {kept}."
-    return question, work, kept
+    first, second = rng.randint(2, 12), rng.randint(2, 9)
+    question = f"{who[0]} has {first} {thing} and {who[1]} has {second}. How many {thing} do they have together?"
+    return question, f"{first} + {second} = {first + second}", first + second
 
 
-def _save(rng: random.Random) -> tuple[str, str, int]:
-    who = rng.choice(NAMES)
-    weekly, weeks = rng.randint(3, 25), rng.randint(2, 10)
-    spent = rng.randint(1, min(15, weekly * weeks - 1))
-    left = weekly * weeks - spent
-    question = (
-        f"{who} saves ${weekly} a week for {weeks} weeks, then spends ${spent} on a game. How many dollars are left?"
-    )
-    work = f"{who} saved {weekly} * {weeks} = {weekly * weeks} dollars. {weekly * weeks} - {spent} = {left}."
-    return question, work, left
-
-
-PROBLEMS: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (_buy, _share, _save)
+PROBLEMS: tuple[Callable[[random.Random], tuple[str, str, int]], ...] = (_gets, _together)
 
 
 def rows(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
@@ -58,7 +45,7 @@ def rows(n: int = 64, seed: int = 0) -> list[dict[str, str]]:
     out = []
     for _ in range(n):
         question, work, result = rng.choice(PROBLEMS)(rng)
-        out.append({"question": question, "answer": f"{work}\n#### {result}"})
+        out.append({"question": f"{question} {FORMAT}", "answer": f"{work}\n#### {result}"})
     return out
 
 
