@@ -9,7 +9,9 @@ same in a CSV field). Each is loaded as the trainer loads it (the default
 ``trainer.maxEpisodeTokens``; builtin:math's rules), once with the cache empty and once again
 (``tiny`` and ``list``: the second load maps the Arrow cache the first wrote). The cache goes to the
 temporary directory (``TREETRAIN_CACHE``). Also measured: a process that only imports the
-modules, so the load's own share is the difference. Prints one line a load; nothing is asserted.
+modules, so the load's own share is the difference. Prints one line a load, with the process's
+anonymous and file-backed resident memory at its end (mapped rows are file-backed: page cache
+the kernel can drop); nothing is asserted.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ if path != "-":
     except dataset.DatasetError as err:
         outcome = "refused: " + str(err)[:150]
 took = time.perf_counter() - start
-print(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}\\t{took:.1f}\\t{outcome}")
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
+now = ", ".join(f"{k} {int(status[k].split()[0]) // 1024} MiB" for k in ("RssAnon", "RssFile") if k in status)
+print(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}\\t{took:.1f}\\t{outcome} (at the end: {now})")
 """
 
 

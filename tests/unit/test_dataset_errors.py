@@ -183,10 +183,10 @@ def test_a_prompt_that_cannot_fit_max_episode_tokens_is_refused_by_its_bytes(
     data = jsonl(tmp_path / "a.jsonl", GOOD, {"prompt": "y" * 129, "answer": "1"}, {"prompt": "y" * 128, "answer": "1"})
     code, out, err = cli(command, str(write_config(tmp_path, data, maxEpisodeTokens=16, maxNewTokens=8)))
     assert code == 2 and len(err.strip().splitlines()) == 1, (out, err)
-    assert f"trainer.dataset {data}: line 2: prompt 'prompt' has 129 bytes, more than 128 (8 a token of " in err
-    assert (
-        "trainer.maxEpisodeTokens 16)" in err
-        and "fix: shorten or drop the row, or raise trainer.maxEpisodeTokens" in err
+    assert err == (
+        f"treetrain {command}{': error' if command == 'train' else ''}: trainer.dataset {data}: line 2: prompt "
+        "'prompt' has 129 bytes, more than trainer.maxEpisodeTokens (16) x 8 = 128; fix: shorten or drop the row, "
+        "or raise trainer.maxEpisodeTokens\n"
     )
     assert NO_MODEL not in err and "tokenizer" not in err
 

@@ -95,9 +95,10 @@ def test_a_prompt_past_the_byte_bound_is_refused_with_its_row(tmp_path: Path, fm
     with pytest.raises(DatasetError) as info:
         load_rows(settings(path), limits=SMALL)
     message = str(info.value)
-    assert message.startswith(f"trainer.dataset {path}: {WHERE[fmt]}: prompt 'prompt' has 160 bytes, more than 128 ")
-    assert "trainer.maxEpisodeTokens 16" in message and "(and 1 more bad row)" in message and "\n" not in message
-    assert "fix: shorten or drop the row, or raise trainer.maxEpisodeTokens" in message
+    assert message == (
+        f"trainer.dataset {path}: {WHERE[fmt]}: prompt 'prompt' has 160 bytes, more than trainer.maxEpisodeTokens "
+        "(16) x 8 = 128; fix: shorten or drop the row, or raise trainer.maxEpisodeTokens (and 1 more bad row)"
+    )
     fits = _write(fmt, tmp_path / "fits", ["short", at_bound])
     assert [r["prompt"] for r in load_rows(settings(fits), limits=SMALL)] == ["short", at_bound]
 
@@ -149,6 +150,13 @@ def test_an_over_long_line_is_refused_without_being_read_whole(tmp_path: Path) -
         load_rows(settings(csv), limits=limits)
     rules = RowRules("trainer.dataset", str(csv), "prompt", "answer", "builtin:math", limits)
     assert _peak_while(lambda: scan_file(csv, "csv", rules)) < 2 << 20
+
+
+def test_a_file_of_one_over_long_line_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"prompt": "' + "w" * 5000 + '"}\n')
+    with pytest.raises(DatasetError, match=r"a.jsonl: line 1: the row is longer than 1,024 bytes.*drop the row$"):
+        load_rows(settings(path), limits=SMALL)
 
 
 def test_a_json_list_item_too_long_is_refused_by_row_index(tmp_path: Path) -> None:
@@ -210,7 +218,7 @@ def test_json_list_items_cross_chunk_boundaries(tmp_path: Path) -> None:
         ('[{"a": 1}] x', "json", "is not JSON (Extra data after the list)"),
         ('[{"a": 1}, {"a": "', "json", "(row index 1) is not JSON (Unterminated string"),
         ("[{'a': 1}, " + '{"a": 2}, ' * 400 + "]", "json", "(row index 0) is not JSON (Expecting property name"),
-        ('[{"a": "' + "z" * 300 + '"}]', "long", ""),
+        ('[{"a": "' + "z" * 1000 + '"}]', "long", ""),  # not read whole: 256 characters are enough
         ("[" + "[" * 100_000, "deep", ""),  # Python's parser gives up past its recursion limit
         ('{"a": 1}', "json", "does not start with ["),
     ],
@@ -292,3 +300,24 @@ def test_an_explicit_cache_dir_keeps_a_small_file_there(tmp_path: Path, cache_ro
     rows: Any = load_rows(settings(path), cache_dir=tmp_path / "mine")
     assert rows.cache_files and all(f["filename"].startswith(str(tmp_path / "mine")) for f in rows.cache_files)
     assert not list(_tree(cache_root.parent))
+
+
+def test_a_full_disk_under_the_cache_is_one_line(tmp_path: Path) -> None:
+    """datasets wraps the OSError of a full disk in its own error; the cause is found and named."""
+    import errno
+
+    from treetrain.rl.dataset_cache import no_space
+
+    path = jsonl(tmp_path / "rows.jsonl", GOOD)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as full:
+            raise RuntimeError("An error occurred while generating the dataset") from full
+    except RuntimeError as wrapped:
+        found = no_space(wrapped, path, tmp_path / "cache", "trainer.dataset")
+    assert found is not None and str(found) == (
+        f"trainer.dataset.path {path}: no space left for its Arrow copy in {tmp_path / 'cache'}; fix: free space "
+        "there, or set TREETRAIN_CACHE to a directory with room for about 1 MiB"
+    )
+    assert no_space(RuntimeError("a malformed row"), path, tmp_path, "trainer.dataset") is None

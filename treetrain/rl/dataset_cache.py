@@ -55,7 +55,8 @@ def no_space(err: BaseException, path: Path, place: Path, key: str) -> DatasetEr
     """The one line for a full disk under the cache (``datasets`` wraps the OSError), else None."""
     seen: BaseException | None = err
     while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == 28:  # ENOSPC
+        # ENOSPC, or datasets' own check of the room before it writes
+        if isinstance(seen, OSError) and (seen.errno == 28 or str(seen).startswith("Not enough disk space")):
             return DatasetError(
                 f"{key}.path {path}: no space left for its Arrow copy in {place}; fix: free space there, or set "
                 f"TREETRAIN_CACHE to a directory with room for about {_mib(path)} MiB"

@@ -31,7 +31,7 @@ from treetrain.rl.task import TaskError
 ROLES = ("system", "user", "assistant")
 MAX_DEPTH = 64  # nesting of a row's JSON; a list of {role, content} messages is 3 deep
 # A token of text is 3 to 5 bytes in the common tokenizers: a prompt of more than 8 bytes a token
-# of trainer.maxEpisodeTokens is refused unread rather than tokenized (its reply could not fit).
+# of trainer.maxEpisodeTokens is refused before any tokenizer spends time on it (no reply would fit).
 BYTES_PER_TOKEN = 8
 ROW_BYTES_MIN = 16 << 20  # a row may hold this much beside its prompt (rewards and agents read it)
 # A JSON string; an unterminated one runs to the end, so every match succeeds and the scan is
@@ -63,9 +63,8 @@ class ByteLimits:
 
     def prompt_message(self, field_name: str, size: int) -> str:
         return (
-            f"prompt {field_name!r} has {size:,} bytes, more than {self.prompt:,} ({BYTES_PER_TOKEN} a token of "
-            f"trainer.maxEpisodeTokens {self.tokens}), so it cannot fit an episode; fix: shorten or drop the row, "
-            "or raise trainer.maxEpisodeTokens"
+            f"prompt {field_name!r} has {size:,} bytes, more than trainer.maxEpisodeTokens ({self.tokens}) x "
+            f"{BYTES_PER_TOKEN} = {self.prompt:,}; fix: shorten or drop the row, or raise trainer.maxEpisodeTokens"
         )
 
     def row_message(self) -> str:
@@ -105,9 +104,11 @@ class RowRules:
             bad = prompt_problem(prompt, self.prompt_field)
             if bad is not None:
                 return bad
-        size = prompt_bytes(prompt, self.limits.prompt) if prompt is not None else 0
-        if size > self.limits.prompt:
-            return self.limits.prompt_message(self.prompt_field, size)
+        # A string of n characters is at most 4n bytes: the common prompt needs no counting.
+        if type(prompt) is not str or len(prompt) * 4 > self.limits.prompt:
+            size = prompt_bytes(prompt, self.limits.prompt) if prompt is not None else 0
+            if size > self.limits.prompt:
+                return self.limits.prompt_message(self.prompt_field, size)
         if self.answer_for is None:
             return None
         answer = row.get(self.answer_field)
@@ -220,7 +221,7 @@ class Findings:
     def raise_any(self, rows: int) -> None:
         if rows == 0:
             return
-        missing = self.rules.missing_columns(self.columns)
+        missing = self.rules.missing_columns(self.columns) if self.columns else None  # none: no row was read
         if missing is not None:
             raise missing
         self.raise_first()

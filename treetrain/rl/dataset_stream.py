@@ -60,27 +60,27 @@ class _Text:
     read: int = 0  # bytes of the file read so far
     eof: bool = False
 
-    def more(self) -> bool:
-        """Append a chunk (False at the end of the file); what is consumed is dropped first."""
+    def more(self, size: int = 0) -> bool:
+        """Append ``size`` bytes, at least a chunk (False at the end of the file); what is
+        consumed is dropped first."""
         if self.eof:
             return False
         if self.pos:
             newline = self.buf.rfind("\n", 0, self.pos)
             self.column0 = self.pos - newline - 1 if newline >= 0 else self.column0 + self.pos
             self.buf, self.pos = self.buf[self.pos :], 0
-        chunk = self.file.read(self.chunk)
-        if self.read == 0:
-            chunk = chunk.removeprefix(BOM)
+        raw = self.file.read(max(size, self.chunk))
+        chunk = raw.removeprefix(BOM) if self.read == 0 else raw
         pending = self.decoder.getstate()[0]
         try:
-            self.buf += self.decoder.decode(chunk, final=not chunk)
+            self.buf += self.decoder.decode(chunk, final=not raw)
         except UnicodeDecodeError as err:
             at = max(0, err.start - len(pending))
             line = self.line + self.buf.count("\n", self.pos) + chunk.count(b"\n", 0, at)
             byte = (pending + chunk)[err.start]
             raise ListError(f"line {line} is not UTF-8 text (byte 0x{byte:02x}); fix: save the file as UTF-8") from None
-        self.read += len(chunk)
-        self.eof = not chunk
+        self.read += len(raw)
+        self.eof = not raw
         return True
 
     def skip_space(self) -> str:
@@ -103,9 +103,10 @@ _DECODER = json.JSONDecoder()
 
 def json_list_items(path: Path, limit: int, chunk: int = CHUNK) -> Iterator[tuple[int, str, object]]:
     """``(index, text, value)`` of each item of the JSON list in ``path``, in order; ``text`` is
-    the item as the file writes it. An item of more than ``limit`` characters, or one that does
-    not parse, raises :class:`ListError` once the reader is sure which it is. The file is read
-    ``chunk`` bytes at a time."""
+    the item as the file writes it (the caller judges its length). An item that does not parse
+    raises :class:`ListError`: "long" when ``limit`` characters of it were read without its end
+    in sight (it is never held whole), "json" when it ends but is not JSON. The file is read
+    ``chunk`` bytes at a time, more while an item is unfinished."""
     with path.open("rb") as f:
         text = _Text(f, codecs.getincrementaldecoder("utf-8")(), chunk=chunk)
         if text.skip_space() != "[":
@@ -146,7 +147,7 @@ def _item(text: _Text, index: int, limit: int) -> tuple[object, int, int]:
                 if _ends_within(text.buf, text.pos, text.pos + limit):
                     raise _not_json(text, err.msg, index, err.pos) from None
                 raise ListError("", index, "long") from None
-            if not text.more():
+            if not text.more(len(text.buf) - text.pos):  # doubling: an item is parsed O(log n) times
                 raise _not_json(text, err.msg, index, err.pos) from None
 
 
