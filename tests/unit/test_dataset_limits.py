@@ -321,3 +321,35 @@ def test_a_full_disk_under_the_cache_is_one_line(tmp_path: Path) -> None:
         "there, or set TREETRAIN_CACHE to a directory with room for about 1 MiB"
     )
     assert no_space(RuntimeError("a malformed row"), path, tmp_path, "trainer.dataset") is None
+
+
+def test_the_dataset_task_judges_a_prompt_by_bytes_before_its_tokenizer() -> None:
+    """A row that changed after the load check (the task holds whatever rows it is given): the
+    bound holds again before the prompt is rendered; the tokenizer is never called."""
+    from treetrain.config.schema import TrainerSettings
+    from treetrain.rl.dataset import DataCursor, DatasetTask
+    from treetrain.rl.rewards import RewardRunner, load_reward
+
+    class NoTokenizer:  # a stand-in: the test is that rendering never starts
+        eos_token_id = 0
+
+        def __len__(self) -> int:
+            return 8
+
+        def get_vocab(self) -> dict[str, int]:
+            return {}
+
+        def apply_chat_template(self, *_: Any, **__: Any) -> str:
+            raise AssertionError("the tokenizer was asked to render a prompt past the byte bound")
+
+    t = TrainerSettings(
+        dataset=DatasetSettings(path="rows.jsonl", shuffle=False),
+        reward="builtin:exact",
+        max_episode_tokens=16,
+        max_new_tokens=8,
+    )
+    runner = RewardRunner(load_reward("builtin:exact", {}), timeout_s=5, answer_field="answer", log=print)
+    rows = [{"prompt": "é" * 65, "answer": "4"}]  # 65 characters, 130 bytes
+    task = DatasetTask(rows, t, NoTokenizer(), runner, DataCursor(1, 1, shuffle=False, seed=0))
+    with pytest.raises(DatasetError, match=r"^trainer.dataset rows.jsonl: row index 0: prompt 'prompt' has 130 bytes"):
+        task.episode_at(0, 0, seed=0)
