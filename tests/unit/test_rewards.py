@@ -141,6 +141,11 @@ def hang(completion, row):
 async def later(completion, row):
     return 0.25
 
+def crash(completion, row):
+    if completion == "crash":
+        os._exit(3)
+    return 1.0
+
 def weird(completion, row):
     return {"nan": float("nan"), "text": "yes", "inf": math.inf}[completion]
 
@@ -198,6 +203,26 @@ def test_a_hanging_reward_times_out_and_does_not_block_the_next(user_module: Any
     assert run.failures == {"error": 0, "timeout": 1}
     assert "reward timeout at step 1 group 0 row 0" in lines[0] and "rewardTimeoutSeconds" in lines[0]
     assert run.score("fine", {}, "t") == 1.0
+
+
+def test_a_worker_that_dies_is_an_error_and_the_next_call_gets_a_fresh_one(user_module: Any) -> None:
+    name, _ = user_module
+    run, lines = runner(load_reward(f"{name}:crash", {}))
+    assert run.score("crash", {}, "step 1 group 0 row 2") == 0.0
+    assert run.failures == {"error": 1, "timeout": 0}
+    assert lines == [
+        "reward error at step 1 group 0 row 2: the reward's worker process ended during the call (a crash, or "
+        "os._exit); scored 0.0"
+    ]
+    assert run.score("fine", {}, "t") == 1.0
+
+
+def test_a_row_that_cannot_reach_the_worker_is_an_error(user_module: Any) -> None:
+    name, _ = user_module
+    run, lines = runner(load_reward(f"{name}:boom", {}))
+    assert run.score("x", {"answer": lambda: 1}, "row 4") == 0.0
+    assert "reward error at row 4: the row cannot be sent to the reward's worker process" in lines[0]
+    assert run.score("x", {}, "t") == 1.0
 
 
 def test_calls_past_the_workers_wait_for_a_free_one(user_module: Any) -> None:
