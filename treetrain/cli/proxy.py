@@ -130,11 +130,13 @@ def run(args: argparse.Namespace) -> int:
 def _local(model: str) -> Any:
     """Local rollout of ``model`` (the FSDP engine's loader), on the GPU when there is one."""
     import torch
+    from transformers.utils import logging as hf_logging
 
     from treetrain.config import ModelSettings
     from treetrain.engines.fsdp import build_model
     from treetrain.rl.rollout import LocalRollout
 
+    hf_logging.disable_progress_bar()  # our own two lines say what loads; the bar is noise on stderr
     _say(f"model: loading {model}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rollout = LocalRollout(build_model(ModelSettings(path=model)).to(device), device)

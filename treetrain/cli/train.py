@@ -60,8 +60,12 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.rl.task import TaskError
         from treetrain.trainer.loop import run_training
         from treetrain.tree import PackingError
+        from transformers.utils import logging as hf_logging
     except ImportError as err:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
+    # transformers' "Loading weights" bar on stderr: the trainer says what it loads, and stderr
+    # carries one line per problem (a bar before it made two).
+    hf_logging.disable_progress_bar()
 
     if args.steps is not None and args.steps < 1:
         return _fail("--steps must be >= 1")
