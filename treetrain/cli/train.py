@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     # (docs/trainer.md). Set before torch loads its OpenMP runtime; OMP_WAIT_POLICY=ACTIVE opts out.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
+        from transformers.utils import logging as hf_logging
+
         from treetrain import config as config_mod
         from treetrain.alloc import AllocationError
         from treetrain.attention import BackendUnavailableError, UnknownBackendError
@@ -60,7 +62,6 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.rl.task import TaskError
         from treetrain.trainer.loop import run_training
         from treetrain.tree import PackingError
-        from transformers.utils import logging as hf_logging
     except ImportError as err:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
     # transformers' "Loading weights" bar on stderr: the trainer says what it loads, and stderr
