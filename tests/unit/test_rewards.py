@@ -225,6 +225,21 @@ def test_a_row_that_cannot_reach_the_worker_is_an_error(user_module: Any) -> Non
     assert run.score("x", {}, "t") == 1.0
 
 
+def test_a_worker_server_that_dies_is_started_again(user_module: Any) -> None:
+    name, _ = user_module
+    pool = RewardPool(max_workers=1)
+    try:
+        run, lines = runner(load_reward(f"{name}:score", {}), pool=pool)
+        assert run.score("1", {"answer": "1"}, "a") == 1.0
+        server = pool._servers[-1].proc
+        server.kill()  # as the kernel's OOM killer would; its worker dies with it
+        server.wait(30)
+        assert run.score("1", {"answer": "1"}, "b") == 1.0 and lines == []
+        assert pool._servers[-1].proc is not server
+    finally:
+        pool.close()
+
+
 def test_calls_past_the_workers_wait_for_a_free_one(user_module: Any) -> None:
     name, _ = user_module
     one = RewardPool(max_workers=1)

@@ -92,6 +92,9 @@ class _Server:
                         self.ready = True
                     socket.send_fds(self.ctl, [b"F"], [theirs.fileno()])
                     answer = self._answer(deadline, stopped)
+                except (OSError, ValueError) as err:  # the server's socket broke, or was closed by close()
+                    self.broken = True
+                    raise PoolError(f"the reward worker server failed: {err}") from None
                 except BaseException:
                     self.broken = True
                     raise
@@ -220,10 +223,12 @@ class RewardPool:
                     raise RewardStopped("reward call not started: the trainer is stopping (SIGTERM)")
                 while self._idle:
                     worker = self._idle.pop()
-                    if not worker.server.broken and self._servers and worker.server is self._servers[-1]:
+                    server = worker.server
+                    current = self._servers[-1] if self._servers else None
+                    if server is current and not server.broken and server.proc.poll() is None:
                         self._busy += 1
                         return worker
-                    worker.conn.close()  # of a server that was replaced
+                    worker.conn.close()  # of a server that ended or was replaced
                 if self._busy < self.max_workers:
                     self._busy += 1
                     break
