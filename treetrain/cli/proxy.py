@@ -136,7 +136,7 @@ def _local(model: str) -> Any:
     from treetrain.engines.fsdp import build_model
     from treetrain.rl.rollout import LocalRollout
 
-    hf_logging.disable_progress_bar()  # our own two lines say what loads; the bar is noise on stderr
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our own two lines say what loads; the bar is noise on stderr
     _say(f"model: loading {model}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rollout = LocalRollout(build_model(ModelSettings(path=model)).to(device), device)

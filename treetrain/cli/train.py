@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")
     # transformers' "Loading weights" bar on stderr: the trainer says what it loads, and stderr
     # carries one line per problem (a bar before it made two).
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
     if args.steps is not None and args.steps < 1:
         return _fail("--steps must be >= 1")
