@@ -138,7 +138,7 @@ class Trainer:
         root = str(self.checkpoints.root) if self.checkpoints.root is not None else None
         self.samples = SampleLog(t.log_samples, root, lambda: builtin.load_tokenizer(cfg.model.path), self.log)
         # The task's own code runs under a per-episode budget, and SIGTERM stops it (treetrain.rl.limits).
-        self.task_clock = TaskClock(t.task, t.episode_timeout_seconds)
+        self.task_clock = TaskClock(self.sources.describe(), t.episode_timeout_seconds)  # named as the run is
         # What the step's rollout has done (the ticker prints it), and SIGTERM's stop request.
         self.progress = RolloutProgress()
         self.sources.progress = self.progress
