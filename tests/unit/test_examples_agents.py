@@ -264,7 +264,7 @@ def test_the_agent_rljob_is_valid_for_rljob_plan() -> None:
     assert {"name": "data", "configMap": {"name": "calc-rows"}} in pod["volumes"]
     # The dataset paths are files of the mounted ConfigMap: its keys are the example files' names.
     for path in (p.config.trainer.dataset.path, p.config.trainer.eval.dataset.path):  # type: ignore[union-attr]
-        assert path.startswith("/data/") and (ROOT / "examples" / "gsm8k" / path.removeprefix("/data/")).is_file()
+        assert path.startswith("/data/") and (ROOT / "examples" / "agents" / path.removeprefix("/data/")).is_file()
     # The same manifest under an operator that pins modules: listed, it passes; not listed, refused.
     assert plan(manifest, limits=Limits(task_modules=("calculator_agent",))).objects
     with pytest.raises(PlanError) as info:
