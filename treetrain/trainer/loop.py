@@ -897,10 +897,11 @@ def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool
         for line in format_summary(summary):
             trainer.log(line)
         if cfg.trainer.compare_flat and trainer.batches and not summary.interrupted:
-            n = len(trainer.batches)
+            n, rounds = len(trainer.batches), cfg.trainer.compare_rounds
+            kept = " and saved" if trainer.checkpoints.root is not None else ""
             trainer.log(
                 f"timing tree vs flat packing on the last {n} batch{'es' if n > 1 else ''} "
-                f"({cfg.trainer.compare_rounds} rounds; training is done and saved: --no-compare or "
+                f"({rounds} round{'s' if rounds > 1 else ''}; training is done{kept}: --no-compare or "
                 "trainer.compareFlat: false skips this, SIGTERM stops it)"
             )
             summary.comparison = trainer.compare()
