@@ -82,8 +82,9 @@ def answer(data: bytes, lookup: Any) -> bytes:
 class ClusterNames:
     """Names to pod IPs from the API server, with each namespace's listing kept for a second."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, api_address: str = "") -> None:
         self.api = api
+        self.api_address = api_address
         self.lock = threading.Lock()
         self.cache: dict[tuple[str, str], tuple[float, list[dict[str, Any]]]] = {}
 
@@ -118,6 +119,8 @@ class ClusterNames:
                 return ips or None
             if len(parts) == 2:  # service.namespace
                 svc, ns = parts
+                if (svc, ns) == ("kubernetes", "default") and self.api_address:
+                    return [self.api_address]  # the relay (kopf's in-cluster login dials this name)
                 (service,) = [s for s in self._list(ns, "services") if s["metadata"]["name"] == svc] or [None]
                 if service is None:
                     return None
@@ -137,7 +140,7 @@ class ClusterNames:
 
 
 def serve_dns(listen: str, api: Api) -> None:
-    names = ClusterNames(api)
+    names = ClusterNames(api, api_address=listen)
 
     class Handler(socketserver.BaseRequestHandler):
         def handle(self) -> None:
@@ -184,9 +187,12 @@ def serve_forward(listen: tuple[str, int], to: tuple[str, int]) -> None:
         daemon_threads = True
         allow_reuse_address = True
 
-    with Server(listen, Handler) as server:
-        print(f"forward: {listen[0]}:{listen[1]} -> {to[0]}:{to[1]}", flush=True)
-        server.serve_forever()
+    # Its own port and 443: in-cluster clients that ignore KUBERNETES_SERVICE_PORT (kopf) dial
+    # https://kubernetes.default.svc, which the node's DNS answers with this address.
+    servers = [Server(listen, Handler), Server((listen[0], 443), Handler)]
+    print(f"forward: {listen[0]}:{listen[1]} and :443 -> {to[0]}:{to[1]}", flush=True)
+    threading.Thread(target=servers[1].serve_forever, daemon=True).start()
+    servers[0].serve_forever()
 
 
 def oci_image_tar(binary: Path, ref: str, out: Path) -> None:
