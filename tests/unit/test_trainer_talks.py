@@ -39,7 +39,9 @@ def test_the_ticker_prints_rollout_progress_then_the_phase() -> None:
     progress.decoded(234)
     progress.episodes_finished(5)
     now = time.monotonic()
-    assert ticker.line(now).startswith("progress: step   7/100 | rollout: 5/32 episodes finished, 1,234 tokens generated | ")
+    assert ticker.line(now).startswith(
+        "progress: step   7/100 | rollout: 5/32 episodes finished, 1,234 tokens generated | "
+    )
     ticker.enter("training")
     assert "| training (rollout took " in ticker.line(now + 1)
 
