@@ -140,7 +140,10 @@ def make_certs(pki: Path, extra_ips: tuple[str, ...] = ()) -> None:
     leaves = {
         "serving": (
             "/CN=127.0.0.1",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost" + "".join(f",IP:{ip}" for ip in extra_ips),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost"
+            + "".join(f",IP:{ip}" for ip in extra_ips)
+            # In-cluster clients of a real node's pods dial the API server by its Service name.
+            + (",DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local" if extra_ips else ""),
             "extendedKeyUsage=serverAuth",
         ),
         "admin": ("/O=system:masters/CN=admin", None, "extendedKeyUsage=clientAuth"),
