@@ -31,9 +31,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
-	@# mypy cannot map operator/ to rljob_operator itself: give it a tree of links named right.
-	mkdir -p build/typecheck && ln -sfn ../../operator build/typecheck/rljob_operator && ln -sfn ../../treetrain build/typecheck/treetrain
-	cd build/typecheck && $(abspath $(BIN))/mypy --strict -p treetrain -p rljob_operator
+	$(BIN)/mypy --strict -p treetrain -p rljob_operator
 
 # The test control plane (tests/cluster): kube-apiserver, controller-manager, scheduler, etcd,
 # kwok, kubectl and helm, built with Go from the module proxy into a cache keyed by their

@@ -1,4 +1,4 @@
-"""The operator's API client layer (operator/kube.py) and listener defaults, without a cluster:
+"""The operator's API client layer (operator/rljob_operator/kube.py) and listener defaults, without a cluster:
 a fake client records what would be sent (no API server runs here)."""
 
 from __future__ import annotations

@@ -516,7 +516,7 @@ def test_a_request_beyond_the_ceilings_is_refused_before_anything_is_rendered() 
 
 
 # ---------------------------------------------------------------------------
-# Network: the NetworkPolicy per RLJob and the rollout servers' API key (operator/network.py)
+# Network: the NetworkPolicy per RLJob and the rollout servers' API key (operator/rljob_operator/network.py)
 
 PROMETHEUS = {
     "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},

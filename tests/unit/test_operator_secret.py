@@ -1,7 +1,7 @@
 """The rollout servers' key Secret: the operator never adopts a ``NAME-api-key`` it did not create,
 and uses a Secret the RLJob names (``spec.apiKeySecret``) as is.
 
-The controller and the real API layer (operator/kube.py) run over an in-memory stand-in for the
+The controller and the real API layer (operator/rljob_operator/kube.py) run over an in-memory stand-in for the
 API server's REST interface (no API server runs here; tests/cluster/test_operator_ownership.py
 runs the same case on the real control plane). Like the operator's RBAC, the stand-in lets the
 operator create Secrets but never read them: a GET or list of Secrets fails the test.

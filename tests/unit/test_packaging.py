@@ -22,7 +22,7 @@ def test_every_package_is_listed() -> None:
         if "__pycache__" not in path.parts
     }
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
-    assert config["package-dir"]["rljob_operator"] == "operator"
+    assert config["package-dir"]["rljob_operator"] == "operator/rljob_operator"
 
 
 def test_operator_side_imports_without_torch() -> None:
@@ -40,10 +40,21 @@ def test_operator_side_imports_without_torch() -> None:
 
 @pytest.mark.parametrize("cwd", ["/", str(ROOT)])
 def test_operator_dir_never_shadows_the_stdlib(cwd: str) -> None:
-    # From the repo root too, where ./operator/ sits first on sys.path.
+    # From the repo root too, where ./operator/ sits first on sys.path: the package is one level
+    # down (operator/rljob_operator/), so the folder is no package and the stdlib's module wins.
     code = "import operator, rljob_operator; print(operator.itemgetter.__module__, rljob_operator.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd)
     assert out.stdout.split() == ["operator", "rljob_operator"]
+    # What a user script run from the root does first (it failed when operator/ was the package).
+    out = subprocess.run(
+        [sys.executable, "-c", "import logging, operator; print(operator.add)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=cwd,
+    )
+    assert out.stdout.strip() == "<built-in function add>"
+    assert not (ROOT / "operator" / "__init__.py").exists()
 
 
 def _layers_contract() -> list[str]:
@@ -78,7 +89,7 @@ def test_every_operator_module_is_layered_and_documented() -> None:
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     (layers,) = [c for c in contracts if c["type"] == "layers" and c.get("containers") == ["rljob_operator"]]
     layered = {name.strip() for layer in layers["layers"] for name in layer.split("|")}
-    modules = {p.stem for p in (ROOT / "operator").glob("*.py") if p.stem != "__init__"}
+    modules = {p.stem for p in (ROOT / "operator" / "rljob_operator").glob("*.py") if p.stem != "__init__"}
     assert modules == layered
     doc = (ROOT / "docs" / "operator.md").read_text()
     assert [m for m in sorted(modules) if f"`{m}.py`" not in doc] == []

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("trainer_env")
 
 
 def test_the_operator_config_shape_is_accepted() -> None:
-    """The shape operator/plan.py writes, plus our trainer: section."""
+    """The shape operator/rljob_operator/plan.py writes, plus our trainer: section."""
     raw = {
         "model": {"path": "builtin:tiny-llama"},
         "actor": {

@@ -2,16 +2,16 @@
 
 ``decide(rljob, observed, now)`` reads the RLJob and the children that exist, and
 returns what to create or update, what to delete, the new status and the events to
-post. The controller (operator/controller.py) only gathers ``observed``, carries out the
+post. The controller (operator/rljob_operator/controller.py) only gathers ``observed``, carries out the
 decision and patches the status when it changed. What the children say is read in
-operator/observe.py, the operator's record in operator/record.py, the conditions and times in
-operator/conditions.py.
+operator/rljob_operator/observe.py, the operator's record in operator/rljob_operator/record.py, the conditions and times in
+operator/rljob_operator/conditions.py.
 
 Ownership: only children that this RLJob controls count, those whose controller
 ownerReference carries the RLJob's uid (:func:`owned`). An object that merely carries the
 operator's labels, or has the name of a child, is never deleted, updated or read as state.
 The key Secret, which the operator cannot read, is its own only by its record
-(operator/key_secret.py); a Secret the RLJob names in ``spec.apiKeySecret`` is never touched.
+(operator/rljob_operator/key_secret.py); a Secret the RLJob names in ``spec.apiKeySecret`` is never touched.
 
 Trainer restarts: the trainer gang of restart ``n`` is the Indexed Job
 ``NAME-trainer`` (n = 0) or ``NAME-trainer-rN``. When any of its pods fails, the
@@ -83,7 +83,7 @@ class Decision:
     remember: list[dict[str, Any]] = field(default_factory=list)
     apply: list[dict[str, Any]] = field(default_factory=list)
     create_only: list[dict[str, Any]] = field(default_factory=list)  # Jobs: their pod template is immutable
-    # What the record says of the key Secret NAME-api-key (operator/key_secret.py).
+    # What the record says of the key Secret NAME-api-key (operator/rljob_operator/key_secret.py).
     key: KeyState = "none"
     delete: list[tuple[str, str]] = field(default_factory=list)  # (kind, name)
     delete_self: bool = False

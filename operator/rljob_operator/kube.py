@@ -272,7 +272,7 @@ class Kube:
 
     def create_key(self, obj: dict[str, Any]) -> bool:
         """POST the RLJob's key Secret with a fresh random key: True if created, False if a Secret of
-        that name exists (409). Never rewritten; whose it is, operator/key_secret.py decides."""
+        that name exists (409). Never rewritten; whose it is, operator/rljob_operator/key_secret.py decides."""
         meta = obj["metadata"]
         try:
             self._call("create", "Secret", "POST", self._path("Secret", meta["namespace"]), body=with_fresh_key(obj),

@@ -34,7 +34,9 @@ class Limits:
     task_modules: tuple[str, ...] = ()  # a package allows its submodules too; builtin: tasks always pass
     image_prefixes: tuple[str, ...] = ()  # whole path segments: ghcr.io/acme never admits ghcr.io/acmeevil/x
     server_flags: tuple[str, ...] = ()  # under allow-lists, serverArgs flags allowed besides the safe ones
-    network: NetworkSettings = field(default_factory=NetworkSettings)  # the NetworkPolicy (operator/network.py)
+    network: NetworkSettings = field(
+        default_factory=NetworkSettings
+    )  # the NetworkPolicy (operator/rljob_operator/network.py)
 
 
 def weight_sync_problems(spec: RLJobSpec) -> list[FieldError]:

@@ -1,7 +1,7 @@
 """The controller runtime: one reconcile pass per RLJob key from the work queue. A pass reads the
-RLJob and its children, asks the pure ``decide`` (operator/reconcile.py) what to do, does it,
+RLJob and its children, asks the pure ``decide`` (operator/rljob_operator/reconcile.py) what to do, does it,
 and patches the status when it changed; a child the API server refuses, or a pass that fails
-otherwise, is retried with a backoff. The kopf wiring (operator/handlers.py) only queues keys.
+otherwise, is retried with a backoff. The kopf wiring (operator/rljob_operator/handlers.py) only queues keys.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ key, and never mistaken for a Secret of that name that someone else made, althou
 cannot read Secrets (it may only create them: a grant to read would read every Secret of the
 namespace).
 
-Its own is known by the record on ``NAME-config`` (operator/record.py), entry ``key``:
+Its own is known by the record on ``NAME-config`` (operator/rljob_operator/record.py), entry ``key``:
 
 - ``none``: the operator has not created it. A pass records ``pending`` *before* it sends the
   create, so a create answered 201 whose outcome a crash lost is still known as its own. An

@@ -18,9 +18,15 @@ from rljob_operator.names import (
     rollout_name,
 )
 from rljob_operator.network import API_KEY_ENV, key_env
-from rljob_operator.render_gang import gang
-from rljob_operator.render_pods import CONTAINER_SECURITY, ROLLOUT_GRACE_SECONDS, pod_scheduling, resources, volumes
-from rljob_operator.render_services import headless_service
+from rljob_operator.render_pods import (
+    CONTAINER_SECURITY,
+    ROLLOUT_GRACE_SECONDS,
+    gang,
+    headless_service,
+    pod_scheduling,
+    resources,
+    volumes,
+)
 from rljob_operator.servers import multi_node_command, server_argv, server_auth, server_env, vllm_weight_sync
 
 
@@ -34,7 +40,7 @@ def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
     ppi = comp.pods.pods_per_instance
     argv = server_argv(comp.allocation, model=model_path(spec), port=engine.port, extra_args=engine.server_args)
     env: list[dict[str, Any]] = list(server_env(comp.allocation.backend))
-    # The servers require the RLJob's key (operator/network.py): a flag for SGLang, VLLM_API_KEY for vLLM.
+    # The servers require the RLJob's key (operator/rljob_operator/network.py): a flag for SGLang, VLLM_API_KEY for vLLM.
     auth_flags, auth_env = server_auth(comp.allocation.backend, API_KEY_ENV)
     argv += auth_flags
     env += key_env(*api_key_ref(layout), API_KEY_ENV, *auth_env)

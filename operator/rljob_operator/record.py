@@ -1,7 +1,7 @@
 """What the operator remembers across passes, on the ConfigMap ``NAME-config`` (an owned child
 only the operator writes): the restart count and time, once the RLJob finished its phase, time
 and message, and whether the operator created the key Secret ``NAME-api-key`` (which it cannot
-read: operator/key_secret.py). See operator/reconcile.py for why the status is never read back
+read: operator/rljob_operator/key_secret.py). See operator/rljob_operator/reconcile.py for why the status is never read back
 as state."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rljob_operator.models import GROUP
 ANNOTATION_STATE = f"{GROUP}/state"
 MAX_MEMORY_MESSAGE = 512
 # Whether the operator created the key Secret NAME-api-key: none, pending (a create was sent,
-# its outcome not recorded) or created (operator/key_secret.py).
+# its outcome not recorded) or created (operator/rljob_operator/key_secret.py).
 KeyState = Literal["none", "pending", "created"]
 
 

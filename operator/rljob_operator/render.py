@@ -1,11 +1,11 @@
 """Rendering: an admitted RLJob's desired children, one module per kind of child. Pure.
 
-- :mod:`~rljob_operator.render_configmap`: the trainer config (``NAME-config``)
+- here: the trainer config (``NAME-config``) and the children in apply order
 - :mod:`~rljob_operator.render_network`: the servers' key Secret and the NetworkPolicy
 - :mod:`~rljob_operator.render_statefulset`: each rollout engine's StatefulSet and Service
 - :mod:`~rljob_operator.render_job`: the trainer gang's Indexed Job (torchrun env) and Service
-- :mod:`~rljob_operator.render_services`, :mod:`~rljob_operator.render_pods`,
-  :mod:`~rljob_operator.render_gang` (Kueue), :mod:`~rljob_operator.render_hashes`: their parts
+- :mod:`~rljob_operator.render_pods`: what their pods share (hardening, requests, volumes, the gang
+  and Kueue labels, the headless Services)
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from typing import Any
 
 from rljob_operator.layout import Layout
 from rljob_operator.models import GROUP, KIND, VERSION
+from rljob_operator.names import config_map_name, meta
 from rljob_operator.network import NetworkSettings
-from rljob_operator.render_configmap import config_map
 from rljob_operator.render_job import trainer
 from rljob_operator.render_network import network
 from rljob_operator.render_statefulset import rollout
-from treetrain.config import TrainConfig
+from treetrain.config import TrainConfig, dump_yaml
 
 
 def render(
@@ -48,3 +48,13 @@ def render(
         for obj in objects:
             obj["metadata"]["ownerReferences"] = [owner]
     return objects
+
+
+def config_map(layout: Layout, config: TrainConfig) -> dict[str, Any]:
+    """``NAME-config``: ``config`` as the YAML the trainer reads at ``CONFIG_PATH``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(layout.name, layout.namespace, config_map_name(layout.name), "actor"),
+        "data": {"config.yaml": dump_yaml(config)},
+    }

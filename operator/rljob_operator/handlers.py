@@ -2,7 +2,7 @@
 
 The handlers are thin: any event on an RLJob or on one of its children (pods, Jobs,
 StatefulSets, ...) only queues that RLJob in the controller's work queue
-(operator/workqueue.py); the controller (operator/controller.py) reconciles one RLJob at a
+(operator/rljob_operator/workqueue.py); the controller (operator/rljob_operator/controller.py) reconciles one RLJob at a
 time per key. Time-based steps (restart backoff, TTL) come back through the queue's delays; a
 periodic resync catches anything missed.
 """

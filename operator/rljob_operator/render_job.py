@@ -3,11 +3,15 @@ variables) and its headless Service."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from rljob_operator.components import Component
 from rljob_operator.layout import Layout, api_key_ref, openai_port
 from rljob_operator.names import (
+    ANNOTATION_ALLOCATION,
+    ANNOTATION_TEMPLATE_HASH,
     CHECKPOINT_DIR,
     CONFIG_PATH,
     DATA_DIR,
@@ -23,18 +27,17 @@ from rljob_operator.names import (
     trainer_service_name,
 )
 from rljob_operator.network import API_KEY_ENV, key_env
-from rljob_operator.render_gang import gang
-from rljob_operator.render_hashes import running_as
 from rljob_operator.render_pods import (
     CONTAINER_SECURITY,
     TRAINER_GRACE_SECONDS,
     data_volume,
+    gang,
+    headless_service,
     pod_scheduling,
     resources,
     volumes,
 )
-from rljob_operator.render_services import headless_service
-from treetrain.config import TrainConfig
+from treetrain.config import TrainConfig, dump_yaml
 
 
 def trainer(layout: Layout, config: TrainConfig, comp: Component) -> list[dict[str, Any]]:
@@ -139,3 +142,15 @@ def _sync_ports(layout: Layout, key: str) -> list[dict[str, Any]]:
     """Trainer rank 0's weight-sync rendezvous port (distributed sync), named ``weight-sync``."""
     ws = layout.spec.weight_sync
     return [{"name": "weight-sync", key: ws.port}] if ws.method == "distributed" else []
+
+
+def running_as(layout: Layout, config: TrainConfig, comp: Component, template: dict[str, Any]) -> dict[str, str]:
+    """The Job's annotations that say what its pods run: the allocation of every component in
+    them, and a hash of the pod template and the trainer config they read at start."""
+    inside = {n: c.status().model_dump(by_alias=True, exclude_none=True) for n, c in layout.components.items()
+              if n == comp.name or c.colocated_with == comp.name}  # fmt: skip
+    content = json.dumps({"template": template, "config": dump_yaml(config)}, sort_keys=True)
+    return {
+        ANNOTATION_ALLOCATION: json.dumps(inside, sort_keys=True, separators=(",", ":")),
+        ANNOTATION_TEMPLATE_HASH: hashlib.sha256(content.encode()).hexdigest()[:16],
+    }

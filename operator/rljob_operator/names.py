@@ -4,7 +4,7 @@ derived from the RLJob's name. Pure strings; imports nothing but the API group.
 Children of RLJob ``NAME`` (all in its namespace):
 
     NAME-config                 ConfigMap: the trainer config (config.yaml)
-    NAME-api-key                Secret: the rollout servers' key (operator/network.py)
+    NAME-api-key                Secret: the rollout servers' key (operator/rljob_operator/network.py)
     NAME-network                NetworkPolicy: only this RLJob's pods (and Prometheus) get in
     NAME-rollout[-ENGINE]       headless Service + StatefulSet per rollout engine
     NAME-trainer                headless Service + Indexed Job for the trainer gang (actor,

@@ -1,4 +1,6 @@
-"""What every pod of an RLJob shares: hardening, requests, scheduling fields and volumes."""
+"""What the pods of an RLJob share: hardening, requests, scheduling fields and volumes, the gang
+labels (one Kueue pod group when ``spec.scheduling.queueName`` is set), and their headless Services
+(stable DNS names for the rollout servers and the trainer gang)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from typing import Any
 
 from rljob_operator.layout import Layout
 from rljob_operator.models import Resources, RLJobSpec
-from rljob_operator.names import CHECKPOINT_DIR, MODEL_DIR
+from rljob_operator.names import CHECKPOINT_DIR, LABEL_GANG, MODEL_DIR, meta
 
 # Pods run under the "restricted" Pod Security Standard: a non-root user (the images run as uid
 # 1000), no privilege escalation, no capabilities, the runtime's seccomp profile. fsGroup makes
@@ -74,3 +76,31 @@ def data_volume(spec: RLJobSpec) -> dict[str, Any]:
     if data.claim_name is not None:
         return {"name": "data", "persistentVolumeClaim": {"claimName": data.claim_name, "readOnly": True}}
     return {"name": "data", "configMap": {"name": data.config_map}}
+
+
+def gang(layout: Layout) -> tuple[dict[str, str], dict[str, str]]:
+    """Pod labels and annotations that make every pod of the RLJob one gang."""
+    pod_labels = {LABEL_GANG: layout.name}
+    annotations: dict[str, str] = {}
+    if layout.spec.scheduling.queue_name:
+        pod_labels["kueue.x-k8s.io/queue-name"] = layout.spec.scheduling.queue_name
+        pod_labels["kueue.x-k8s.io/pod-group-name"] = layout.name
+        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(layout.total_pods)
+    return pod_labels, annotations
+
+
+def headless_service(
+    layout: Layout, name: str, component: str, selector: dict[str, str], port: int, *extra: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(layout.name, layout.namespace, name, component),
+        "spec": {
+            "clusterIP": "None",
+            # Peers must resolve each other before they are Ready (rendezvous, multi-node servers).
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": "main", "port": port, "targetPort": port}, *extra],
+        },
+    }
