@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from treetrain.alloc import Allocation, AllocationError, ParallelDims, parse
-from treetrain.alloc.model import BACKENDS
+from treetrain.alloc.registry import names
+
+BACKENDS = names()
 
 SIZES = st.integers(min_value=1, max_value=16)
 # Pieces of backend strings, so random text often gets deep into the grammar.

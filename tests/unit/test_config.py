@@ -110,18 +110,19 @@ def test_launch_facts_come_from_the_environment() -> None:
 
 def test_engine_support_is_one_table() -> None:
     """The parser, config validation (and so admission: ``rljob plan`` validates with it) and
-    ``build_engine`` (tests/unit/test_engine_core.py) read one table, ENGINE_LETTERS: every
-    letter on every engine parses and runs exactly as its row says, and the config's ENGINES
-    is that row, not a table of its own."""
-    from treetrain.alloc import ENGINE_LETTERS, TRAINING_BACKENDS
+    ``build_engine`` (tests/unit/test_engine_core.py) read one registry, each engine's
+    description: every letter on every engine parses and runs exactly as its letters say, and
+    the config's engines() is that, not a table of its own."""
+    from treetrain.alloc.registry import names, spec_of
 
     letter_field = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
     assert C.check_training_backend("fsdp:d2t2").world_size == 4
-    assert set(C.ENGINES) == set(TRAINING_BACKENDS)
-    for backend in TRAINING_BACKENDS:
-        row = ENGINE_LETTERS[backend]
-        assert C.ENGINES[backend].built == row.built
-        assert C.ENGINES[backend].refused == {letter_field[k]: why for k, why in row.not_yet.items()}
+    engines = C.engines()
+    assert tuple(engines) == names("training")
+    for backend in names("training"):
+        row = spec_of(backend).letters
+        assert engines[backend].built == row.built
+        assert engines[backend].refused == {letter_field[k]: why for k, why in row.not_yet.items()}
         for letter in "dtpce":
             dims = f"d2{letter}2" if letter == "e" else f"{letter}2"
             assert _parses(f"{backend}:{dims}") == (letter in row.accepted), (backend, letter)
@@ -213,10 +214,10 @@ def training_backends(draw: st.DrawFn, runnable_only: bool = False) -> BackendCa
     """Every training engine with every letter (d, t, p, c, e), plain or hybrid
     ``(attn:...|ffn:...)``; ``runnable_only``: only what the table says the engine runs.
     Sizes keep the expert grid whole (e divides the GPUs), so only the letters decide."""
-    from treetrain.alloc import ENGINE_LETTERS, TRAINING_BACKENDS
+    from treetrain.alloc.registry import names, spec_of
 
-    backend = draw(st.sampled_from(TRAINING_BACKENDS))
-    row = ENGINE_LETTERS[backend]
+    backend = draw(st.sampled_from(names("training")))
+    row = spec_of(backend).letters
     pool = row.runs if runnable_only else "dtpce"
     hybrid = draw(st.booleans()) and (row.hybrid or not runnable_only)
     attn = {letter: draw(st.sampled_from((1, 2))) if letter in pool else 1 for letter in "dtpc"}

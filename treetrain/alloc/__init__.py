@@ -1,5 +1,7 @@
 """Backend strings: parse ``sglang:d2t4``, ``fsdp:d4t2``, ``megatron:(attn:...|ffn:...)``
-into parallel layouts and GPU counts, and lay them out on nodes.
+into parallel layouts and GPU counts, and lay them out on nodes. What each engine is (its
+letters, how it slices and keeps its weights) is its description in the engine registry
+(:mod:`.registry`), which every layer that asks reads.
 
 Plain Python with no torch: the operator image imports this.
 """
@@ -12,28 +14,20 @@ from treetrain.alloc.errors import (
     MissingBackendError,
     PlacementError,
 )
-from treetrain.alloc.model import (
-    BACKENDS,
-    ENGINE_LETTERS,
-    INFERENCE_BACKENDS,
-    TRAINING_BACKENDS,
-    Allocation,
-    EngineLetters,
-    ParallelDims,
-)
+from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.parser import migrate, migration_yaml, parse
 from treetrain.alloc.placement import PodPlan, plan_pods
+from treetrain.alloc.registry import ENGINES, spec_of
+from treetrain.alloc.spec import EngineLetters, EngineSpec
 
 __all__ = [
-    "BACKENDS",
-    "ENGINE_LETTERS",
-    "INFERENCE_BACKENDS",
-    "TRAINING_BACKENDS",
+    "ENGINES",
     "Allocation",
     "AllocationError",
     "AllocationSyntaxError",
     "AllocationValidationError",
     "EngineLetters",
+    "EngineSpec",
     "LegacySpecError",
     "MissingBackendError",
     "ParallelDims",
@@ -43,4 +37,5 @@ __all__ = [
     "migration_yaml",
     "parse",
     "plan_pods",
+    "spec_of",
 ]

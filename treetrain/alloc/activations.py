@@ -12,14 +12,19 @@ from collections.abc import Sequence
 
 from treetrain.alloc.model import Allocation
 from treetrain.alloc.precision import DTYPE_BYTES
+from treetrain.alloc.registry import names, spec_of
 from treetrain.alloc.shapes import ModelShape, ceil_div
 
 # Rows of logits whose fp32 log-softmax is worked on at once (treetrain.logprob's default).
 LOGPROB_CHUNK = 1024
-# Measured CPU peak over the saved tensors listed in activation_bytes (bench/tree_memory.py,
-# tiny Llama, fp32, 4k and 16k tree tokens, once the CPU attention kernel's scores are taken
-# out: docs/engines.md, "Memory plan"): autograd's extra copies and allocator slack.
-ACTIVATION_SLACK = {"fsdp": 1.15, "archon": 1.1, "megatron": 1.3}
+
+
+def activation_slack() -> dict[str, float]:
+    """Each training engine's ``activation_slack`` (its description): the measured CPU peak over
+    the saved tensors listed in :func:`activation_bytes` (bench/tree_memory.py, tiny Llama,
+    fp32, 4k and 16k tree tokens, once the CPU attention kernel's scores are taken out:
+    docs/engines.md, "Memory plan"), autograd's extra copies and allocator slack."""
+    return {name: spec_of(name).activation_slack for name in names("training")}
 
 
 def activation_bytes(
@@ -46,15 +51,17 @@ def activation_bytes(
     adds the logits and their gradient (``V / t`` columns where the head is vocabulary
     parallel) and the fp32 log-softmax chunk. A reference model saves nothing for a backward:
     one layer's tensors and the logits. Tree attention keeps no ``N x N`` matrix. The sum is
-    multiplied by the engine's :data:`ACTIVATION_SLACK`, fitted to measured CPU peaks."""
+    multiplied by the engine's ``activation_slack``, fitted to measured CPU peaks. What differs
+    between engines is their description's: ``sequence_parallel``, ``context_kv_whole``,
+    ``vocab_parallel`` and the slack."""
     d = allocation.dims
-    engine = allocation.backend
+    spec = allocation.spec
     b = DTYPE_BYTES[dtype]
     n = ceil_div(tokens, d.cp)
-    sp = d.tp if engine in ("megatron", "archon") else 1
+    sp = d.tp if spec.sequence_parallel else 1
     h, t = m.hidden, d.tp
     attn = (2 * m.heads + 2 * m.kv_heads) * m.head_dim // t
-    if engine == "megatron" and d.cp > 1:
+    if spec.context_kv_whole and d.cp > 1:
         attn += 2 * m.kv_heads * m.head_dim * (d.cp - 1) // t  # K and V of the whole tree
 
     moe_ffn = m.top_k * (h + 4 * m.moe_ffn / d.etp) + h + 2 * m.experts * 4 / b  # routed copies, router
@@ -72,7 +79,7 @@ def activation_bytes(
         stored = sum(per_layer)
     stored *= in_flight
     if last and role != "critic":
-        cols = m.vocab // t if engine != "fsdp" else m.vocab
+        cols = m.vocab // t if spec.vocab_parallel else m.vocab
         copies = 1 if role == "ref" else 2  # the logits, and their gradient in the backward
         stored += n * cols * b * copies + min(n, LOGPROB_CHUNK) * cols * 4 * 2
-    return int(stored * ACTIVATION_SLACK[engine]) + gathered
+    return int(stored * spec.activation_slack) + gathered

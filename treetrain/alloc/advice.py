@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.plan import GIB, MemoryPlan, estimate
+from treetrain.alloc.registry import spec_of
 from treetrain.alloc.shapes import MemoryInputError, ModelShape, check_layout
 
 # GPU sizes (GiB) of common training GPUs (A100/H100 80, RTX PRO 6000 96, H200 141, B200 192).
@@ -31,8 +32,9 @@ def candidates(engine: str, gpus: int, m: ModelShape) -> list[Allocation]:
     the least communication), each one the engine runs for this model."""
     out: list[tuple[tuple[int, ...], Allocation]] = []
     divisors = [k for k in range(1, gpus + 1) if gpus % k == 0]
-    pps = divisors if engine != "fsdp" else [1]
-    eps = [1] + [e for e in divisors if e > 1 and m.is_moe and m.experts % e == 0] if engine != "fsdp" else [1]
+    runs = spec_of(engine).letters.runs
+    pps = divisors if "p" in runs else [1]
+    eps = [1] + [e for e in divisors if e > 1 and m.is_moe and m.experts % e == 0] if "e" in runs else [1]
     for tp in divisors:
         for pp in pps:
             if gpus % (tp * pp) or pp > m.layers:
@@ -41,8 +43,6 @@ def candidates(engine: str, gpus: int, m: ModelShape) -> list[Allocation]:
                 try:
                     alloc = Allocation(engine, ParallelDims(dp=gpus // (tp * pp), tp=tp, pp=pp, ep=ep))
                     check_layout(m, engine, alloc.dims)
-                    if pp > 1 and engine == "megatron" and m.layers % pp:
-                        continue
                 except (ValueError, MemoryInputError):
                     continue
                 out.append(((tp * pp, -ep, pp), alloc))

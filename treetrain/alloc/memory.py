@@ -16,7 +16,7 @@ work is split by job:
 
 from __future__ import annotations
 
-from treetrain.alloc.activations import ACTIVATION_SLACK, LOGPROB_CHUNK, activation_bytes
+from treetrain.alloc.activations import LOGPROB_CHUNK, activation_bytes, activation_slack
 from treetrain.alloc.advice import (
     COMMON_GPU_GIB,
     DEFAULT_BLOCK_SIZE,
@@ -46,7 +46,6 @@ from treetrain.alloc.shapes import (
 )
 
 __all__ = [
-    "ACTIVATION_SLACK",
     "COMMON_GPU_GIB",
     "DEFAULT_BLOCK_SIZE",
     "DTYPE_BYTES",
@@ -62,6 +61,7 @@ __all__ = [
     "Precision",
     "RankMemory",
     "activation_bytes",
+    "activation_slack",
     "archon_head_cost",
     "archon_layer_costs",
     "candidates",

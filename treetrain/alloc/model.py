@@ -13,52 +13,12 @@ World size is ``dp * tp * pp * cp``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from treetrain.alloc import registry
 from treetrain.alloc.errors import AllocationValidationError
+from treetrain.alloc.spec import EngineLetters, EngineSpec, Kind
 
-Kind = Literal["training", "inference"]
-
-INFERENCE_BACKENDS = ("sglang", "vllm")
-TRAINING_BACKENDS = ("fsdp", "megatron", "archon")
-BACKENDS = INFERENCE_BACKENDS + TRAINING_BACKENDS
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLetters:
-    """What one backend runs: the one table that the parser, config validation, admission
-    (the operator, ``rljob plan``) and :func:`treetrain.engines.build_engine` consult.
-
-    ``accepted``: the letters a plain (non-hybrid) string of this backend may hold; the parser
-    refuses any other (no engine of the kind could run it, e.g. fsdp with p or e).
-    ``not_yet``: accepted letters this engine does not run yet -> why; validation refuses them
-    above size 1, with the reason and a string that would run.
-    ``hybrid``: it takes the MoE form ``backend:(attn:...|ffn:...)``.
-    ``built``: False for an engine not in this release (validation refuses every string)."""
-
-    accepted: str
-    not_yet: Mapping[str, str] = field(default_factory=dict)
-    hybrid: bool = False
-    built: bool = True
-
-    @property
-    def runs(self) -> str:
-        """The letters this engine runs today (plain strings)."""
-        return "".join(letter for letter in self.accepted if letter not in self.not_yet)
-
-
-ENGINE_LETTERS: dict[str, EngineLetters] = {
-    "sglang": EngineLetters(accepted="dtp"),
-    "vllm": EngineLetters(accepted="dtp"),
-    "fsdp": EngineLetters(accepted="dtc", not_yet={"c": "context parallelism is not supported by the FSDP engine yet"}),
-    "megatron": EngineLetters(accepted="dtpce", hybrid=True),
-    "archon": EngineLetters(accepted="dtpce", hybrid=True),
-}
-# Which letters each backend accepts in a plain (non-hybrid) string (a view of the table above).
-BACKEND_LETTERS: dict[str, str] = {backend: letters.accepted for backend, letters in ENGINE_LETTERS.items()}
-HYBRID_BACKENDS = tuple(backend for backend, letters in ENGINE_LETTERS.items() if letters.hybrid)
 # Bounds that no cluster reaches: they keep a typo (d1000000) or a hostile string from planning
 # millions of pods, and every size within what Python parses without a digit limit.
 MAX_SIZE = 65536
@@ -67,6 +27,7 @@ ATTN_LETTERS = "dtpc"
 FFN_LETTERS = "dtpe"
 
 LETTER_FIELD = {"d": "dp", "t": "tp", "p": "pp", "c": "cp", "e": "ep"}
+LETTER_WORD = {"d": "data", "t": "tensor", "p": "pipeline", "c": "context", "e": "expert"}
 FIELD_NAME = {
     "dp": "data parallel",
     "tp": "tensor parallel",
@@ -138,17 +99,15 @@ class Allocation:
     hybrid: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        if self.backend not in registry.ENGINES:
             raise AllocationValidationError(
                 f"unknown backend {self.backend!r}",
-                fix=f"use one of {', '.join(BACKENDS)} (names are lower-case)",
+                fix=f"use one of {', '.join(registry.names())} (names are lower-case)",
                 field="backend",
             )
-        if self.hybrid and self.backend not in HYBRID_BACKENDS:
+        if self.hybrid and not self.letters.hybrid:
             raise AllocationValidationError(
-                f"{self.backend} cannot take a hybrid attn/ffn layout",
-                fix="hybrid MoE layouts need megatron or archon, e.g. megatron:(attn:d4t2|ffn:d2t2e2)",
-                field="backend",
+                f"{self.backend} cannot take a hybrid attn/ffn layout", fix=hybrid_fix(), field="backend"
             )
         if not self.hybrid and self.dims.etp != 1:
             raise AllocationValidationError(
@@ -160,23 +119,28 @@ class Allocation:
         self._check_expert_grid()
 
     def _check_letters(self) -> None:
-        allowed = BACKEND_LETTERS[self.backend] if not self.hybrid else ATTN_LETTERS + FFN_LETTERS
+        allowed = self.letters.accepted if not self.hybrid else ATTN_LETTERS + FFN_LETTERS
         for letter, name in LETTER_FIELD.items():
             if letter in allowed or getattr(self.dims, name) == 1:
                 continue
             value = getattr(self.dims, name)
             if self.kind == "inference":
                 fix = (
-                    f"{self.backend} takes only d (instances), t and p; "
+                    f"{self.backend} takes only {server_letters(self.letters)}; "
                     f"{letter} is a training dimension: drop {letter}{value}"
                 )
+                note = ""
             else:
-                fix = f"use megatron or archon for {FIELD_NAME[name]}, e.g. megatron:{self._plain_dims()}"
+                others = registry.running(letter)
+                fix = (
+                    f"use {registry.either(others)} for {FIELD_NAME[name]}, e.g. {others[0]}:{self._plain_dims()}"
+                    if others
+                    else f"drop {letter}{value}"
+                )
+                words = registry.either((LETTER_WORD[k] for k in self.letters.accepted), last="and")
+                note = f": {self.backend} shards {words} only"
             raise AllocationValidationError(
-                f"{self.backend} does not support {FIELD_NAME[name]} ({letter}{value})"
-                + (": fsdp shards data, tensor and context only" if self.backend == "fsdp" else ""),
-                fix=fix,
-                field=name,
+                f"{self.backend} does not support {FIELD_NAME[name]} ({letter}{value}){note}", fix=fix, field=name
             )
 
     def _check_expert_grid(self) -> None:
@@ -198,8 +162,13 @@ class Allocation:
         )
 
     @property
+    def spec(self) -> EngineSpec:
+        """This backend's description in the engine registry (:mod:`treetrain.alloc.registry`)."""
+        return registry.spec_of(self.backend)
+
+    @property
     def kind(self) -> Kind:
-        return "inference" if self.backend in INFERENCE_BACKENDS else "training"
+        return self.spec.kind
 
     @property
     def world_size(self) -> int:
@@ -214,8 +183,8 @@ class Allocation:
 
     @property
     def letters(self) -> EngineLetters:
-        """What this allocation's engine runs (:data:`ENGINE_LETTERS`)."""
-        return ENGINE_LETTERS[self.backend]
+        """Which letters this allocation's engine takes and runs (its description's)."""
+        return self.spec.letters
 
     def not_yet_run(self) -> tuple[str, int, str] | None:
         """The first letter set above 1 that this engine does not run yet: (letter, size, why);
@@ -271,6 +240,17 @@ class Allocation:
             out["ffn"] = {"dp": d.edp, "tp": d.etp, "pp": d.pp, "ep": d.ep, "world_size": d.world_size}
         out["canonical"] = str(self)
         return out
+
+
+def server_letters(letters: EngineLetters) -> str:
+    """``d (instances), t and p``: a rollout server's letters as messages name them."""
+    return registry.either((f"{k} (instances)" if k == "d" else k for k in letters.accepted), last="and")
+
+
+def hybrid_fix() -> str:
+    """The fix for a hybrid layout on a backend that takes none: the backends that do."""
+    hybrid = registry.hybrid_names()
+    return f"hybrid MoE layouts need {registry.either(hybrid)}, e.g. {hybrid[0]}:(attn:d4t2|ffn:d2t2e2)"
 
 
 def _dims_text(items: list[tuple[str, int]]) -> str:

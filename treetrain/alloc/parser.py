@@ -25,18 +25,19 @@ from treetrain.alloc.errors import (
 )
 from treetrain.alloc.model import (
     ATTN_LETTERS,
-    BACKEND_LETTERS,
-    BACKENDS,
     FFN_LETTERS,
     FIELD_NAME,
-    INFERENCE_BACKENDS,
     LETTER_FIELD,
     MAX_SIZE,
     Allocation,
     ParallelDims,
+    hybrid_fix,
+    server_letters,
 )
+from treetrain.alloc.registry import default_training, either, hybrid_names, names, running, spec_of
 
 _DIMS_RE = re.compile(r"(?:[a-z][0-9]+)+")
+ALL_LETTERS = "".join(LETTER_FIELD)  # what any training backend's string may hold before Allocation decides
 
 
 @functools.cache
@@ -100,18 +101,20 @@ class _Engine:
 def _parse_engines(spec: str) -> list[_Engine]:
     if not isinstance(spec, str):
         raise AllocationSyntaxError(
-            f"a backend string must be text, got {type(spec).__name__}", fix="write e.g. fsdp:d8"
+            f"a backend string must be text, got {type(spec).__name__}", fix=f"write e.g. {default_training()}:d8"
         )
     if not spec.strip():
         raise AllocationSyntaxError(
-            "the backend string is empty", fix="write backend:dims, e.g. fsdp:d8 or sglang:d2t4"
+            "the backend string is empty", fix=f"write backend:dims, e.g. {default_training()}:d8 or {_server()}:d2t4"
         ).located(spec, 1)
     try:
         tree = _lark().parse(spec)
     except UnexpectedInput as exc:
         raise _syntax_error(spec, exc) from None
     except LarkError as exc:  # pragma: no cover - defensive: any other parser failure
-        raise AllocationSyntaxError(str(exc), fix="write backend:dims, e.g. fsdp:d8").located(spec, None) from None
+        raise AllocationSyntaxError(str(exc), fix=f"write backend:dims, e.g. {default_training()}:d8").located(
+            spec, None
+        ) from None
     engines: list[_Engine] = []
     for component in tree.children:
         assert isinstance(component, Tree)
@@ -134,8 +137,7 @@ def _engine(spec: str, node: Tree[Token]) -> _Engine:
     if node.data == "bare_hybrid":
         text = spec[start : node.meta.end_pos].strip()
         raise MissingBackendError(
-            "backend missing before the hybrid MoE layout",
-            fix=f"write megatron:{text} or archon:{text}",
+            "backend missing before the hybrid MoE layout", fix=f"write {either(f'{b}:{text}' for b in hybrid_names())}"
         ).located(spec, start + 1)
     if node.data == "label_only":
         label_node, dims = node.children
@@ -154,21 +156,19 @@ def _engine(spec: str, node: Tree[Token]) -> _Engine:
     backend = _backend(spec, name)
     if layout.data == "hybrid":
         return _Engine(_hybrid(spec, backend, name, layout), label, start)
-    # Inference servers reject c/e outright; training backends take every letter here and
-    # Allocation decides (fsdp accepts p1 and e1, rejects p2 and e2).
-    letters = BACKEND_LETTERS[backend] if backend in INFERENCE_BACKENDS else "dtpce"
+    # Inference servers reject letters outside their own outright; training backends take every
+    # letter here and Allocation decides (a backend without p accepts p1, rejects p2).
+    letters = spec_of(backend).letters.accepted if spec_of(backend).kind == "inference" else ALL_LETTERS
     sizes, columns = _dims(spec, layout, letters, backend)
     columns["backend"] = _col(name)
     return _Engine(_build(spec, columns, backend, ParallelDims(**sizes)), label, start)
 
 
 def _engine_without_backend(spec: str, start: int, dims_node: Tree[Token], label: str | None) -> _Engine:
-    sizes, _ = _dims(spec, dims_node, "dtpce", None)
+    sizes, _ = _dims(spec, dims_node, ALL_LETTERS, None)
     text = "".join(str(tok) for tok in dims_node.children)
-    if sizes.get("pp", 1) > 1 or sizes.get("ep", 1) > 1:
-        choices = f"megatron:{text} or archon:{text}"
-    else:
-        choices = f"fsdp:{text} or megatron:{text}"
+    used = [letter for letter, field in LETTER_FIELD.items() if sizes.get(field, 1) > 1]
+    choices = either(f"{backend}:{text}" for backend in (running(used) or names("training"))[:2])
     where = f" in {label}.backend" if label else ""
     raise MissingBackendError(
         f"backend missing: {text!r} has dimensions but no backend prefix", fix=f"write {choices}{where}"
@@ -177,10 +177,10 @@ def _engine_without_backend(spec: str, start: int, dims_node: Tree[Token], label
 
 def _backend(spec: str, name: Token) -> str:
     backend = str(name)
-    if backend in BACKENDS:
+    if backend in names():
         return backend
     lower = backend.lower()
-    fix = f"backend names are lower-case: write {lower}" if lower in BACKENDS else f"use one of {', '.join(BACKENDS)}"
+    fix = f"backend names are lower-case: write {lower}" if lower in names() else f"use one of {', '.join(names())}"
     raise AllocationSyntaxError(f"unknown backend {backend!r}", fix=fix).located(spec, _col(name))
 
 
@@ -227,7 +227,7 @@ def _dims(spec: str, node: Tree[Token], letters: str, backend: str | None) -> tu
 def _letter_error(backend: str, letter: str, tok: Token) -> AllocationError:
     field = LETTER_FIELD[letter]
     return AllocationSyntaxError(
-        f"{backend} takes only d (instances), t and p, not {FIELD_NAME[field]} ({tok})",
+        f"{backend} takes only {server_letters(spec_of(backend).letters)}, not {FIELD_NAME[field]} ({tok})",
         fix=f"drop {tok}: context and expert parallelism are training dimensions",
         field=field,
     )
@@ -236,11 +236,10 @@ def _letter_error(backend: str, letter: str, tok: Token) -> AllocationError:
 def _hybrid(spec: str, backend: str, name: Token, node: Tree[Token]) -> Allocation:
     attn_node, ffn_node = node.children
     assert isinstance(attn_node, Tree) and isinstance(ffn_node, Tree)
-    if backend not in ("megatron", "archon"):
-        raise AllocationValidationError(
-            f"{backend} cannot take a hybrid attn/ffn layout",
-            fix="hybrid MoE layouts need megatron or archon, e.g. megatron:(attn:d4t2|ffn:d2t2e2)",
-        ).located(spec, _col(name))
+    if not spec_of(backend).letters.hybrid:
+        raise AllocationValidationError(f"{backend} cannot take a hybrid attn/ffn layout", fix=hybrid_fix()).located(
+            spec, _col(name)
+        )
     attn, attn_cols = _section(spec, attn_node, "attn", ATTN_LETTERS)
     ffn, ffn_cols = _section(spec, ffn_node, "ffn", FFN_LETTERS)
     ffn_start = ffn_cols["section"]
@@ -345,6 +344,11 @@ def _legacy_error(spec: str, engines: list[_Engine]) -> LegacySpecError:
 # Syntax errors
 
 
+def _server() -> str:
+    """A rollout server's name for examples."""
+    return names("inference")[0]
+
+
 def _col(tok: Token) -> int:
     return (tok.start_pos or 0) + 1
 
@@ -360,15 +364,16 @@ def _syntax_error(spec: str, exc: UnexpectedInput) -> AllocationSyntaxError:
 def _explain(spec: str, pos: int, exc: UnexpectedInput) -> tuple[str, str]:
     before, char = spec[:pos], spec[pos : pos + 1]
     head = before.strip()
-    example = "e.g. fsdp:d4t2 or sglang:d2t4"
+    example = f"e.g. {default_training()}:d4t2 or {_server()}:d2t4"
     backend = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", spec)
     name = backend.group(1) if backend else ""
     after_colon = spec.split(":", 1)[1].lstrip() if ":" in spec else ""
 
     if char == ":" and not head:
         rest = spec[pos + 1 :].strip()
-        return "backend missing before ':'", f"write fsdp:{rest} or megatron:{rest} (sglang/vllm for rollout)"
-    if char == "." and head in BACKENDS:
+        trainers = either(f"{b}:{rest}" for b in names("training")[:2])
+        return "backend missing before ':'", f"write {trainers} ({'/'.join(names('inference'))} for rollout)"
+    if char == "." and head in names():
         rest = spec[pos + 1 :].strip()
         return "unexpected '.'", f"use ':' between backend and dims, e.g. {head}:{rest or 'd4'}"
     if spec.count("(") > spec.count(")") and not char:
@@ -383,16 +388,16 @@ def _explain(spec: str, pos: int, exc: UnexpectedInput) -> tuple[str, str]:
     if not char:
         if head.endswith(":"):
             return "no dimensions after ':'", f"add dimensions, e.g. {head}d4"
-        if head in BACKENDS:
+        if head in names():
             return f"{head} has no dimensions", f"write {head}:d4 (backend, ':', dims)"
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head):
-            return f"{head!r} is not a backend string", f"write backend:dims with a backend of {', '.join(BACKENDS)}"
+            return f"{head!r} is not a backend string", f"write backend:dims with a backend of {', '.join(names())}"
         if head.endswith(("+", "|")):
             return f"nothing after {head[-1]!r}", f"write one engine per backend field, {example}"
         return "the backend string ends too early", f"write backend:dims, {example}"
     if char.isspace():
         char = spec[pos:].lstrip()[:1]
-    if head in BACKENDS and _DIMS_RE.fullmatch(spec[pos:].strip()):
+    if head in names() and _DIMS_RE.fullmatch(spec[pos:].strip()):
         return f"missing ':' after {head}", f"write {head}:{spec[pos:].strip()}"
     if char.isalpha() and char.isupper() and ":" in before:
         word = re.match(r"\s*([A-Za-z][0-9]*)", spec[pos:])

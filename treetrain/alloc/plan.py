@@ -15,6 +15,7 @@ from typing import Any
 from treetrain.alloc.activations import activation_bytes
 from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.precision import DTYPE_BYTES, Precision, fsdp_group, precision, resolve_dtype
+from treetrain.alloc.registry import spec_of
 from treetrain.alloc.shapes import (
     MemoryInputError,
     ModelShape,
@@ -142,7 +143,7 @@ def estimate(
     ranks: list[RankMemory] = []
     for s, layers in enumerate(split):
         first, last = s == 0, s == dims.pp - 1
-        params = stage_params(m, role, layers, first=first, last=last, tp_vocab=engine != "fsdp")
+        params = stage_params(m, role, layers, first=first, last=last, tp_vocab=allocation.spec.vocab_parallel)
         counts = [(p, local_numel(p, engine, dims)) for p in params]
         numel = sum(n for _, n in counts)
         grads = numel * pbytes + _replicated_grad_bytes(m, engine, dims, prec, first=first) if trained else 0
@@ -176,12 +177,12 @@ def estimate(
 
 def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, int]], prec: Precision) -> int:
     """AdamW state: exp_avg and exp_avg_sq in the parameter dtype (fp32 by the precision
-    rule) plus a 4-byte step per tensor (torch's AdamW). Megatron's ZeRO-1 (``engines/zero.py``,
-    used as soon as the dense weights' data x context group or the experts' expert-data group
-    has several ranks, or the weights are bf16) keeps, per bucket, fp32 moments (and an fp32
-    master copy of bf16 weights) for its ``1/(d*c)`` share of the dense elements and ``1/edp``
-    share of the expert ones, and one step."""
-    if engine == "megatron":
+    rule) plus a 4-byte step per tensor (torch's AdamW). A ``sharded_optimizer`` engine's ZeRO-1
+    (Megatron, ``engines/zero.py``, used as soon as the dense weights' data x context group or
+    the experts' expert-data group has several ranks, or the weights are bf16) keeps, per
+    bucket, fp32 moments (and an fp32 master copy of bf16 weights) for its ``1/(d*c)`` share of
+    the dense elements and ``1/edp`` share of the expert ones, and one step."""
+    if spec_of(engine).sharded_optimizer:
         dense = sum(n for p, n in counts if not p.expert)
         expert = sum(n for p, n in counts if p.expert)
         buckets = [(n, size) for n, size in ((dense, dims.dp * dims.cp), (expert, dims.edp)) if n]
@@ -193,10 +194,11 @@ def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, 
 
 
 def _replicated_grad_bytes(m: ModelShape, engine: str, dims: ParallelDims, prec: Precision, *, first: bool) -> int:
-    """What a gradient holds beyond its parameter's shard: Archon's vocabulary-parallel
-    embedding gets a whole (replicated) ``[V, h]`` gradient on every tensor rank when FSDP
-    does not wrap the model (fp32 at ``d*c = 1``) and so nothing reduce-scatters it."""
-    if engine != "archon" or dims.tp == 1 or prec.fsdp or not first:
+    """What a gradient holds beyond its parameter's shard: a ``whole_embedding_grad`` engine's
+    vocabulary-parallel embedding (Archon) gets a whole (replicated) ``[V, h]`` gradient on
+    every tensor rank when FSDP does not wrap the model (fp32 at ``d*c = 1``) and so nothing
+    reduce-scatters it."""
+    if not spec_of(engine).whole_embedding_grad or dims.tp == 1 or prec.fsdp or not first:
         return 0
     return (m.vocab - m.vocab // dims.tp) * m.hidden * DTYPE_BYTES[prec.params]
 

@@ -8,13 +8,16 @@ the weights the optimizer steps are fp32 on every engine and every layout, becau
 update of about ``lr`` is below half a bf16 ulp of most weights and would vanish if bf16
 weights were stepped directly.
 
-- ``fsdp`` and ``archon`` keep fp32 parameters (and so fp32 gradients and AdamW moments) and
+Which engine does what is its description's ``sixteen_bit`` and ``shards_over``
+(:mod:`treetrain.alloc.specs`); this module never names an engine.
+
+- ``fsdp2_cast`` engines (``fsdp``, ``archon``) keep fp32 parameters (and so fp32 gradients and AdamW moments) and
   let FSDP2's ``MixedPrecisionPolicy`` cast each layer to the compute dtype when it gathers
   it, with gradients reduced and accumulated in fp32. FSDP2 wraps the model whenever it
   shards (``d > 1``; Archon ``d*c > 1``) *or* casts (16-bit compute), over a one-rank data
   mesh when nothing is sharded: one code path for every ``d``, the same numerics as a sharded
   run, and bytes the memory plan counts exactly (the gathered bf16 layer is a working copy).
-- ``megatron`` keeps bf16 parameters and gradients for ``bfloat16`` and an fp32 master copy in
+- ``fp32_master`` engines (``megatron``) keep bf16 parameters and gradients for ``bfloat16`` and an fp32 master copy in
   its sharded optimizer (``engines/zero.py``, a group of one on one rank); ``float16`` keeps
   fp32 parameters under autocast (there is no loss scaler).
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from treetrain.alloc.model import ParallelDims
+from treetrain.alloc.registry import names, spec_of
 
 # Bytes per element of each dtype name ``model.dtype`` can resolve to.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -68,25 +72,22 @@ class Precision:
 
 
 def fsdp_group(engine: str, dims: ParallelDims) -> int:
-    """Ranks FSDP2 shards one parameter over: ``d`` (fsdp), ``d*c`` (archon), 1 (megatron:
-    its parameters are whole on every data rank)."""
-    if engine == "fsdp":
-        return dims.dp
-    if engine == "archon":
-        return dims.dp * dims.cp
-    return 1
+    """Ranks FSDP2 shards one parameter over (its description's ``shards_over``): ``d`` (fsdp),
+    ``d*c`` (archon), 1 (megatron: its parameters are whole on every data rank)."""
+    return spec_of(engine).shard_size(dims)
 
 
 def precision(engine: str, dims: ParallelDims, dtype: str) -> Precision:
-    """The precision rule for ``engine`` (``fsdp``, ``archon``, ``megatron``) on layout
-    ``dims`` with the resolved ``model.dtype`` ``dtype`` (see :func:`resolve_dtype`)."""
+    """The precision rule for the training engine ``engine`` on layout ``dims`` with the
+    resolved ``model.dtype`` ``dtype`` (see :func:`resolve_dtype`)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)} (resolve 'auto' first)")
+    if engine not in names("training"):
+        raise ValueError(f"no precision rule for the {engine!r} engine")
+    spec = spec_of(engine)
     low = dtype != "float32"
-    if engine == "megatron":
+    if spec.sixteen_bit == "fp32_master":
         if dtype == "bfloat16":
             return Precision(compute=dtype, params=dtype, master=True)
         return Precision(compute=dtype, params="float32", autocast=low)
-    if engine in ("fsdp", "archon"):
-        return Precision(compute=dtype, params="float32", fsdp=low or fsdp_group(engine, dims) > 1)
-    raise ValueError(f"no precision rule for the {engine!r} engine")
+    return Precision(compute=dtype, params="float32", fsdp=low or spec.shard_size(dims) > 1)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treetrain.alloc.model import ParallelDims
+from treetrain.alloc.model import FIELD_NAME, LETTER_FIELD, ParallelDims
+from treetrain.alloc.registry import spec_of
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
 REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -268,17 +269,23 @@ def split_min_max(costs: Sequence[float], stages: int, *, first: float = 0.0, la
 
 
 def stage_split(m: ModelShape, engine: str, pp: int, *, tokens: int, role: str) -> list[range]:
-    """Which layers each pipeline stage holds: Archon balances FLOPs, Megatron splits evenly."""
-    if engine == "archon":
+    """Which layers each pipeline stage holds, by the engine's ``stage_split``: ``balanced``
+    minimises the costliest stage's FLOPs (Archon), ``even`` gives every stage ``layers / p``
+    (Megatron)."""
+    if spec_of(engine).stage_split == "balanced":
         costs = archon_layer_costs(m, tokens)
         return split_min_max(costs, pp, last=archon_head_cost(m, tokens, value_head=role == "critic"))
+    _check_even_split(m, pp)
+    each = m.layers // pp
+    return [range(s * each, (s + 1) * each) for s in range(pp)]
+
+
+def _check_even_split(m: ModelShape, pp: int) -> None:
     if m.layers % pp:
         fits = [p for p in range(1, m.layers + 1) if m.layers % p == 0]
         raise MemoryInputError(
             f"{m.layers} layers do not split over p{pp}", f"p in {{{', '.join(map(str, fits[:12]))}}}"
         )
-    each = m.layers // pp
-    return [range(s * each, (s + 1) * each) for s in range(pp)]
 
 
 # -- slicing ----------------------------------------------------------------------------------
@@ -292,43 +299,51 @@ def local_numel(p: Param, engine: str, dims: ParallelDims) -> int:
     """Elements of ``p`` on the rank that holds the most of it.
 
     Tensor parallel divides ``tp_dim``; experts split over ``ep`` by expert and over ``etp``
-    by FFN width. FSDP (fsdp, archon) then shards dim 0 of a dense tensor over the data (x
-    context) ranks and an expert tensor's model width over the expert-data ranks, in
-    ``torch.chunk`` pieces (the first ranks get the rounded-up share). Megatron replicates
-    parameters over data ranks (its ZeRO-1 shards only the optimizer)."""
+    by FFN width. FSDP2 (the engine's ``shards_over``: fsdp ``d``, archon ``d*c``) then shards
+    dim 0 of a tensor over those ranks, or, when experts are sharded, an expert tensor's model
+    width over the expert-data ranks, in ``torch.chunk`` pieces (the first ranks get the
+    rounded-up share). An engine that shards over nothing (Megatron) replicates parameters
+    over data ranks (its ZeRO-1 shards only the optimizer)."""
     shape = list(p.shape)
     if p.expert:
         shape[0] //= dims.ep
         shape[p.ffn_dim] //= dims.etp
     elif p.tp_dim is not None:
         shape[p.tp_dim] //= dims.tp
-    if engine == "fsdp" and dims.dp > 1:
-        shape[0] = ceil_div(shape[0], dims.dp)
-    elif engine == "archon" and dims.dp * dims.cp > 1:
+    group = spec_of(engine).shard_size(dims)
+    if group > 1:
         if p.expert and dims.ep * dims.etp > 1:
             width = 3 - p.ffn_dim  # w1/w3 [E, I, h]: h is dim 2; w2 [E, h, I]: dim 1
             shape[width] = ceil_div(shape[width], dims.edp)
         else:
-            shape[0] = ceil_div(shape[0], dims.dp * dims.cp)
+            shape[0] = ceil_div(shape[0], group)
     return math.prod(shape)
 
 
 def check_layout(m: ModelShape, engine: str, dims: ParallelDims) -> None:
-    """The engines' own refusals that change the count: what t, e and ffn t must divide."""
+    """The engines' own refusals that change the count (from the engine's description): letters
+    it does not run yet, tensor parallel on experts, what t, e and ffn t must divide, and the
+    layers an even pipeline split needs."""
+    spec = spec_of(engine)
     t = dims.tp
-    if engine == "fsdp" and dims.cp > 1:
-        raise MemoryInputError("the FSDP engine does not run context parallel (c)", "drop c and raise d or t")
-    if engine == "archon" and m.is_moe and t > 1:
+    for letter, why in spec.letters.not_yet.items():
+        if getattr(dims, LETTER_FIELD[letter]) > 1:
+            raise MemoryInputError(
+                f"{why} ({FIELD_NAME[LETTER_FIELD[letter]]}, {letter})", f"drop {letter} and raise d or t"
+            )
+    if not spec.moe_tensor_parallel and m.is_moe and t > 1:
         raise MemoryInputError(
-            "the archon engine has no tensor parallel on a mixture-of-experts model", "shard experts with e, raise d"
+            f"the {engine} engine has no tensor parallel on a mixture-of-experts model", "shard experts with e, raise d"
         )
     sizes = {"attention heads": m.heads, "key/value heads": m.kv_heads, "FFN width": m.ffn}
-    if engine != "fsdp":
+    if spec.vocab_parallel:
         sizes["vocabulary"] = m.vocab
     for what, n in sizes.items():
         if n % t:
             fits = [k for k in range(1, m.kv_heads + 1) if all(v % k == 0 for v in sizes.values())]
             raise MemoryInputError(f"t{t} does not divide the {what} ({n})", f"t in {{{', '.join(map(str, fits))}}}")
+    if dims.pp > 1 and spec.stage_split == "even":
+        _check_even_split(m, dims.pp)
     if dims.ep > 1 or dims.etp > 1:
         if not m.is_moe:
             raise MemoryInputError(f"e{dims.ep} shards experts, but this model has none", "drop e")

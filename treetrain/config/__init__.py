@@ -2,7 +2,7 @@
 and the operator all validate with, cross-section rules (:mod:`.check`), what each engine
 runs (:mod:`.backends`), and reading YAML plus the environment (:mod:`.load`)."""
 
-from treetrain.config.backends import ENGINES, check_training_backend
+from treetrain.config.backends import check_training_backend, engines
 from treetrain.config.defaults import embedded_default
 from treetrain.config.load import (
     ENV_OVERRIDES,
@@ -37,7 +37,6 @@ from treetrain.tree.pack import DEFAULT_BLOCK_SIZE  # re-exported: the one defin
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-    "ENGINES",
     "ENV_OVERRIDES",
     "ActorSettings",
     "CheckpointSettings",
@@ -60,6 +59,7 @@ __all__ = [
     "check_training_backend",
     "dump_yaml",
     "embedded_default",
+    "engines",
     "load",
     "load_default",
     "read_yaml",

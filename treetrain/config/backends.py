@@ -1,6 +1,7 @@
-"""What each training engine runs, as config validation asks it: a view of the one table,
-:data:`treetrain.alloc.ENGINE_LETTERS`, that the parser, admission (the operator,
-``rljob plan``), config validation and :func:`treetrain.engines.build_engine` consult.
+"""What each training engine runs, as config validation asks it: a view of the engine
+registry (:mod:`treetrain.alloc.registry`, each engine's description) that the parser,
+admission (the operator, ``rljob plan``), config validation and
+:func:`treetrain.engines.build_engine` consult.
 
 A backend string the parser accepts but the engine cannot run is refused here, at validation
 time, with the reason and a string that would run, never inside a pod.
@@ -11,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from treetrain.alloc import ENGINE_LETTERS, TRAINING_BACKENDS, Allocation, parse
+from treetrain.alloc import Allocation, parse
 from treetrain.alloc.model import LETTER_FIELD
+from treetrain.alloc.registry import default_training, names, prefixes, spec_of
 from treetrain.config.errors import EngineConfigError
 
 
@@ -24,14 +26,15 @@ class EngineSupport:
     refused: dict[str, str]
 
 
-# Derived, never written twice: ENGINE_LETTERS holds the facts.
-ENGINES: dict[str, EngineSupport] = {
-    backend: EngineSupport(
-        built=ENGINE_LETTERS[backend].built,
-        refused={LETTER_FIELD[letter]: why for letter, why in ENGINE_LETTERS[backend].not_yet.items()},
-    )
-    for backend in TRAINING_BACKENDS
-}
+def engines() -> dict[str, EngineSupport]:
+    """Each training engine's support, derived from its description (never written twice)."""
+    return {
+        backend: EngineSupport(
+            built=spec_of(backend).letters.built,
+            refused={LETTER_FIELD[letter]: why for letter, why in spec_of(backend).letters.not_yet.items()},
+        )
+        for backend in names("training")
+    }
 
 
 def _data_and_tensor(allocation: Allocation, backend: str) -> str:
@@ -45,13 +48,12 @@ def check_engine_support(allocation: Allocation) -> Allocation:
     """Check that the engine of a parsed ``allocation`` runs it; raises
     :class:`EngineConfigError` with the fix, or returns ``allocation``."""
     if allocation.kind != "training":
-        raise EngineConfigError(
-            f"{str(allocation)!r} is an inference backend; a trainer needs fsdp:..., megatron:... or archon:..."
-        )
+        raise EngineConfigError(f"{str(allocation)!r} is an inference backend; a trainer needs {prefixes('training')}")
     if not allocation.letters.built:
+        other = default_training()
         raise EngineConfigError(
             f"the {allocation.backend} engine is not built yet in this release; "
-            f"use the FSDP engine on the same GPUs: {_data_and_tensor(allocation, 'fsdp')}"
+            f"use the {other} engine on the same GPUs: {_data_and_tensor(allocation, other)}"
         )
     refused = allocation.not_yet_run()
     if refused is not None:
@@ -71,7 +73,5 @@ def check_training_backend(backend: str) -> Allocation:
     strings once (config validation), and the trainer's later calls get the same object."""
     allocation = parse(backend)
     if allocation.kind != "training":
-        raise EngineConfigError(
-            f"{backend!r} is an inference backend; a trainer needs fsdp:..., megatron:... or archon:..."
-        )
+        raise EngineConfigError(f"{backend!r} is an inference backend; a trainer needs {prefixes('training')}")
     return check_engine_support(allocation)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from treetrain.alloc import Allocation, AllocationError
+from treetrain.alloc import Allocation, AllocationError, registry
 from treetrain.config import catalog
 from treetrain.config.algorithms import objective
 from treetrain.config.backends import check_training_backend
@@ -188,9 +188,10 @@ def check_rollout(s: Sections) -> list[Problem]:
         return []
     kind = s.trainer.rollout.kind
     if kind == "local" and s.rollout.servers:
-        return [("trainer.rollout.kind", "local rollout ignores rollout.servers; use auto, sglang or vllm")]
-    remote = kind in ("sglang", "vllm") or (kind == "auto" and bool(s.rollout.servers))
-    if kind in ("sglang", "vllm") and not s.rollout.servers:
+        servers = registry.either(("auto", *registry.names("inference")))
+        return [("trainer.rollout.kind", f"local rollout ignores rollout.servers; use {servers}")]
+    remote = kind in registry.names("inference") or (kind == "auto" and bool(s.rollout.servers))
+    if kind in registry.names("inference") and not s.rollout.servers:
         return [("rollout.servers", f"trainer.rollout.kind {kind} needs servers: add rollout.servers: [{{url: ...}}]")]
     if remote and s.rollout.weight_sync.method == "disk" and not s.checkpoint.dir:
         return [

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from treetrain.alloc.registry import default_training, names, prefixes
 from treetrain.tree.pack import DEFAULT_BLOCK_SIZE
 
 AttentionName = Literal["auto", "flex", "triton", "sparse", "dense"]
@@ -94,10 +95,10 @@ class ActorSettings(Section):
     """The policy being trained: its backend string (engine and parallel layout) and tree packing."""
 
     backend: str = Field(
-        default="fsdp:d1",
+        default=f"{default_training()}:d1",
         min_length=1,
         max_length=MAX_BACKEND,
-        description="Training backend string: fsdp:..., megatron:... or archon:... (e.g. fsdp:d4t2).",
+        description=f"Training backend string: {prefixes('training')} (e.g. {default_training()}:d4t2).",
     )
     tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
 
@@ -194,7 +195,7 @@ def max_staleness(rollout: SamplingSettings, servers: list[RolloutServer]) -> in
     rollout (it samples with the trainer's own model) and 1 with rollout servers."""
     if rollout.max_staleness is not None:
         return rollout.max_staleness
-    remote = rollout.kind in ("sglang", "vllm") or (rollout.kind == "auto" and bool(servers))
+    remote = rollout.kind in names("inference") or (rollout.kind == "auto" and bool(servers))
     return 1 if remote else 0
 
 

@@ -15,18 +15,19 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from treetrain.alloc import Allocation
 from treetrain.alloc.precision import Precision, precision, resolve_dtype
 from treetrain.attention import resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import checkpoint_files as files
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.grads import dtensor_pieces, global_norm
-from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.parallel import ParallelLayout, init_distributed
 from treetrain.engines.source import ModelSource
 from treetrain.logprob import pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
@@ -222,7 +223,6 @@ class Engine(ABC):
     build its model, how one micro-batch (or a pipeline schedule of them) runs, which ranks
     hold copies of each gradient, and how its state reaches and leaves the disk."""
 
-    engine_name: ClassVar[str]  # the backend prefix; written into checkpoints
     # What the trainer reads of every engine.
     layout: ParallelLayout  # this process's place in the backend's grid
     model: torch.nn.Module  # the (sharded) module; local rollout samples from an actor's
@@ -254,8 +254,8 @@ class Engine(ABC):
         source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
         self.source = with_dtype_resolved(source, layout.device)
         self.settings = self.source.settings
-        self.precision = precision(self.engine_name, layout.allocation.dims, self.settings.dtype)
         self.layout = layout
+        self.precision = precision(self.engine_name, layout.allocation.dims, self.settings.dtype)
         self.tree = tree
         self.role = role
         self.block_size = tree.block_size
@@ -267,6 +267,17 @@ class Engine(ABC):
         self._sampler: torch.nn.Module | None = None
         self._build()
         self.optimizer = self._build_optimizer(optimizer)
+
+    @staticmethod
+    def init_layout(allocation: Allocation) -> ParallelLayout:
+        """This engine's layout of ``allocation``: joins the process group (once per process)
+        and builds the engine's meshes or groups; the factory calls it before the constructor."""
+        return init_distributed(allocation)
+
+    @property
+    def engine_name(self) -> str:
+        """The backend prefix (the registry's name of this engine); written into checkpoints."""
+        return self.layout.allocation.backend
 
     def _prepare(self) -> None:
         """Engine checks of the model against the layout, before anything is built."""

@@ -10,6 +10,7 @@ the same engines in the same order.
 
 from __future__ import annotations
 
+import importlib
 from typing import get_args
 
 from treetrain.alloc import Allocation
@@ -19,7 +20,6 @@ from treetrain.config.errors import EngineConfigError
 from treetrain.config.schema import DType
 from treetrain.engines import builtin, weights
 from treetrain.engines.base import Engine, check_role
-from treetrain.engines.parallel import init_distributed
 
 
 def build_engine(
@@ -47,7 +47,11 @@ def build_engine(
     Everything that can be checked before joining the process group is (role, dtype, model
     name, backend string): a bad value raises a one-line ``ValueError``
     (:class:`EngineConfigError` or the parser's ``AllocationError``) naming the fix, e.g. for a
-    parallel letter the engine refuses (``treetrain.alloc.ENGINE_LETTERS`` holds that table).
+    parallel letter the engine refuses (its description in :mod:`treetrain.alloc.registry` says).
+
+    Which class runs the string is its description's ``engine`` (``module:Class``), imported
+    here on first use: the registry is the one list of engines, and no engine's torch code (nor
+    megatron-core) loads unless a string names that engine.
     """
     check_role(role)
     if isinstance(model, str):
@@ -66,20 +70,18 @@ def build_engine(
     # A damaged weight file is one line now, not a loader's traceback inside the engine.
     weights.check_model_dir(builtin.local_dir(settings.path), settings.path)
     allocation = check_engine_support(backend) if isinstance(backend, Allocation) else check_training_backend(backend)
-    if allocation.backend == "megatron":
-        from treetrain.engines.megatron import MegatronEngine, init_megatron
+    engine_class = engine_class_of(allocation)
+    layout = engine_class.init_layout(allocation)
+    return engine_class(settings, layout, tree if tree is not None else TreeTrainingSettings(), optimizer, role=role)
 
-        tree_settings = tree if tree is not None else TreeTrainingSettings()
-        return MegatronEngine(settings, init_megatron(allocation), tree_settings, optimizer, role=role)
-    if allocation.backend == "archon":
-        from treetrain.engines.archon import ArchonEngine, init_layout
 
-        tree_settings = tree if tree is not None else TreeTrainingSettings()
-        return ArchonEngine(settings, init_layout(allocation), tree_settings, optimizer, role=role)
-    layout = init_distributed(allocation)
-    if allocation.backend == "fsdp":
-        from treetrain.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(settings, layout, tree if tree is not None else TreeTrainingSettings(), optimizer, role=role)
-    # check_training_backend refuses engines that are not built; this is a missing branch here.
-    raise EngineConfigError(f"no {allocation.backend} engine in this build; use fsdp:...")
+def engine_class_of(allocation: Allocation) -> type[Engine]:
+    """The :class:`Engine` subclass that runs ``allocation`` (its description's ``engine``)."""
+    where = allocation.spec.engine
+    module, _, name = where.partition(":")
+    if not module or not name:
+        raise EngineConfigError(f"no {allocation.backend} engine in this build; use another backend")
+    found = getattr(importlib.import_module(module), name)
+    if not (isinstance(found, type) and issubclass(found, Engine)):
+        raise EngineConfigError(f"{where}, the {allocation.backend} engine's class, is not an Engine")
+    return found

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta
-from treetrain.engines.archon.layout import ArchonLayout
+from treetrain.engines.archon.layout import ArchonLayout, init_layout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
@@ -56,7 +56,7 @@ class ArchonEngine(Engine):
     ``optimizer=None``: forward only."""
 
     layout: ArchonLayout
-    engine_name = "archon"
+    init_layout = staticmethod(init_layout)
 
     def _build(self) -> None:
         # The precision rule (treetrain/alloc/precision.py): fp32 parameters on every layout,

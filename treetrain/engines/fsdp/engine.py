@@ -34,8 +34,6 @@ class FSDPEngine(Engine):
     """Actor (log-probs), critic (values) or reference (log-probs, frozen) on a Hugging Face
     model. ``optimizer=None``: forward only (the parameters do not require grad)."""
 
-    engine_name = "fsdp"
-
     def _build(self) -> None:
         self.model: nn.Module = build_parallel(self.source, self.role, self.layout, self.precision)
 

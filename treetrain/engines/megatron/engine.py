@@ -36,7 +36,7 @@ from treetrain.engines.megatron import convert
 from treetrain.engines.megatron.grads import GradPlan, build_optimizer, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
-from treetrain.engines.megatron.parallel import groups, ranks, sizes
+from treetrain.engines.megatron.parallel import groups, init_megatron, ranks, sizes
 from treetrain.engines.megatron.schedule import run_schedule
 from treetrain.engines.precision import torch_dtype
 from treetrain.engines.source import SafetensorsFiles
@@ -62,8 +62,7 @@ class _Chunk:
 class MegatronEngine(Engine):
     """Actor (log-probs), critic (values) or reference (frozen) on megatron-core."""
 
-    engine_name = "megatron"
-
+    init_layout = staticmethod(init_megatron)
     model: TreeGPT
 
     def _build(self) -> None:
