@@ -10,12 +10,14 @@ periodic resync catches anything missed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from rljob_operator.controller import WORKERS, Controller
+from rljob_operator.kube_login import Credentials, cannot_list_rljobs
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.names import LABEL_RLJOB, MANAGED_BY
 
@@ -23,6 +25,7 @@ from rljob_operator.names import LABEL_RLJOB, MANAGED_BY
 # (backoff, TTL) is requeued with its delay, and kopf lists everything again after a watch
 # reconnects. Each idle pass costs 7 GETs per RLJob, so the interval sets the idle load.
 RESYNC_SECONDS = 300.0
+log = logging.getLogger("rljob_operator")
 
 
 def tune_watching(settings: kopf.OperatorSettings) -> None:
@@ -40,9 +43,36 @@ def tune_watching(settings: kopf.OperatorSettings) -> None:
     settings.watching.reconnect_backoff = 0.5
 
 
-def build_registry(controller: Controller) -> kopf.OperatorRegistry:
+class Readiness:
+    """Ready once the operator has listed RLJobs with the login kopf watches with (address,
+    certificate, token and RBAC all good), then for good: a later outage is kopf's to retry."""
+
+    def __init__(self, namespaces: list[str]) -> None:
+        self.namespaces = namespaces
+        self.login: Credentials | None = None
+        self.ready = False
+        self.why = ""
+
+    def check(self) -> None:
+        if self.ready:
+            return
+        why = "not logged in to the API server yet"
+        if self.login is not None:
+            why = cannot_list_rljobs(self.login, self.namespaces) or ""
+        if not why:
+            self.ready = True
+            log.info("ready: RLJobs listed at %s", self.login.server if self.login else "?")
+            return
+        if why != self.why:
+            log.warning("not ready: %s", why)
+        self.why = why
+        raise kopf.PermanentError(f"not ready: {why}")  # permanent: fail this probe now, no retries
+
+
+def build_registry(controller: Controller, namespaces: list[str] | None = None) -> kopf.OperatorRegistry:
     """kopf handlers bound to ``controller``, in their own registry (no global state)."""
     registry = kopf.OperatorRegistry()
+    readiness = Readiness(namespaces or [])
     children: dict[str, Any] = {"app.kubernetes.io/managed-by": MANAGED_BY, LABEL_RLJOB: kopf.PRESENT}
 
     @kopf.on.startup(registry=registry)
@@ -64,6 +94,12 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
             raise kopf.PermanentError(controller.fatal)  # permanent: fail this probe now, no retries
         return "ok"
 
+    @kopf.on.probe(id="ready", registry=registry)
+    def ready(**_: Any) -> str:
+        # /healthz also answers 500 until RLJobs were listed once (the chart's readiness probe).
+        readiness.check()
+        return "ok"
+
     @kopf.on.cleanup(registry=registry)
     async def stop(memo: kopf.Memo, **_: Any) -> None:
         for name in ("queue_task", "resync_task"):
@@ -75,8 +111,14 @@ def build_registry(controller: Controller) -> kopf.OperatorRegistry:
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
         if controller.kube.in_cluster:
-            return kopf.login_with_service_account(settings=settings)
-        c = controller.kube.credentials()
+            info = kopf.login_with_service_account(settings=settings)
+            if info is not None:
+                readiness.login = Credentials(
+                    server=info.server, ca_path=str(info.ca_path) if info.ca_path else None, insecure=False,
+                    token=info.token, certificate_path=None, private_key_path=None,
+                )  # fmt: skip
+            return info
+        c = readiness.login = controller.kube.credentials()
         return kopf.ConnectionInfo(
             server=c.server,
             ca_path=c.ca_path,

@@ -36,7 +36,7 @@ async def serve(
     """Run kopf with this controller's handlers until ``stop_flag`` is set."""
     tolerate_deep_objects_in_kopf()  # an RLJob nested too deeply for Python's JSON reader cannot end the watch
     await kopf.operator(
-        registry=build_registry(controller),
+        registry=build_registry(controller, namespaces),
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=liveness_endpoint,
