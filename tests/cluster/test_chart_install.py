@@ -416,13 +416,13 @@ def test_watched_namespaces_install_reconciles_only_there(cluster: Cluster, name
 def test_trainer_metrics_endpoint_passes_promlint(promlint: Path) -> None:
     """The trainer's /metrics (treetrain.metrics.TrainerMetrics, what `treetrain train` serves on
     :9400), after one step, scraped over loopback, passes the linter."""
-    from treetrain.metrics import StepFigures, TrainerMetrics
+    from treetrain.metrics import StepRecord, TrainerMetrics
 
     metrics = TrainerMetrics()
     port = metrics.serve(0, "127.0.0.1")
     try:
         metrics.observe_step(
-            StepFigures(tree_token_ratio=0.4, original_tokens=1000, tree_tokens=400, padded_tokens=20,
+            StepRecord(step=1, tree_token_ratio=0.4, original_tokens=1000, tree_tokens=400, padded_tokens=20,
                         seconds=1.5, train_seconds=1.0, loss=0.7, reward=0.2)
         )  # fmt: skip
         status, text = http_get(f"http://127.0.0.1:{port}/metrics")

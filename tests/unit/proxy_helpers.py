@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from treetrain.proxy.chat import ChatRenderer
-from treetrain.proxy.server import ProxyServer
+from treetrain.proxy.server import ProxyServer, RLService
 from treetrain.rl.rollout import Generation, SamplingParams
 
 SMOL = "builtin:smollm2-135m"
@@ -80,7 +80,8 @@ def qwen_renderer(smollm2: Any) -> ChatRenderer:
 @contextmanager
 def serving(generate: Any, renderer: ChatRenderer, **kwargs: Any) -> Iterator[ProxyServer]:
     """A started proxy on a free loopback port, closed afterwards."""
-    server = ProxyServer(generate=generate, renderer=renderer, model_name=SMOL, **kwargs)
+    request_log = kwargs.pop("request_log", None)
+    server = ProxyServer(RLService(generate=generate, renderer=renderer, model_name=SMOL, **kwargs), request_log=request_log)
     server.start("127.0.0.1", 0)
     try:
         yield server

@@ -1,10 +1,11 @@
 """The algorithm presets against hand-computed cases (RLOO, REINFORCE++-baseline, Dr.GRPO,
-DAPO, GSPO, the behaviour weight modes), dynamic sampling in the synchronous collector, the
+DAPO, GSPO, the behaviour weight modes), dynamic sampling played inline by the group scheduler, the
 config checks of the new options, and the per-sample reductions tree-packed vs flat on the
 fsdp, megatron and archon engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,8 @@ import torch
 
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TrainerSettings, TreeTrainingSettings
 from treetrain.config.algorithms import PRESETS, objective
-from treetrain.engines.base import MicroBatchOutput, TrainBatch
+from treetrain.engines.base import MicroBatchOutput
+from treetrain.engines.batch import LossInputError, TokenFields, TrainBatch
 from treetrain.rl.advantages import (
     advantages,
     informative_groups,
@@ -23,8 +25,12 @@ from treetrain.rl.advantages import (
     reinforce_baseline_advantages,
     rloo_advantages,
 )
-from treetrain.rl.collect import Rollouts, Sample, collect_rollouts, loss_weights, make_batch, seed_of
+from treetrain.rl.algorithm import Algorithm, loss_weights
+from treetrain.rl.algorithm import make_batch as batch_of
+from treetrain.rl.episodes import TaskSource
 from treetrain.rl.losses import PPOLoss, group_advantages, segment_mean
+from treetrain.rl.samples import Rollouts, Sample, seed_of
+from treetrain.rl.scheduler import GroupScheduler
 
 
 def _out(logp: list[float]) -> MicroBatchOutput:
@@ -35,15 +41,20 @@ def _rollouts(replies: list[int], rewards: list[float], groups: list[int], max_n
     """One sample per episode: a 2-token prompt and a reply of ``replies[i]`` tokens whose
     behaviour log-probs are 0."""
     samples = [
-        Sample(episode=i, tokens=[1, 2] + [10] * n, prompt_len=2, behav_logprobs=[0.0] * n)
+        Sample(episode=i, tokens=[1, 2] + [10] * n, prompt_len=2, logprobs=[0.0] * (2 + n))
         for i, n in enumerate(replies)
     ]
     return Rollouts(samples=samples, rewards=rewards, groups=groups, max_new_tokens=max_new_tokens)
 
 
-def _micro_batch(batch: TrainBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def make_batch(rollouts: Rollouts, settings: TrainerSettings) -> TrainBatch:
+    """The batch the algorithm of ``settings`` builds."""
+    return batch_of(rollouts, objective(settings))
+
+
+def _micro_batch(batch: TrainBatch) -> tuple[torch.Tensor, TokenFields[torch.Tensor]]:
     """The whole batch as one micro-batch in input order (what a flat single tree gathers)."""
-    return torch.cat(batch.loss_mask), {k: torch.cat(v) for k, v in batch.tensors.items()}
+    return torch.cat(batch.loss_mask), batch.fields.map(torch.cat)
 
 
 # -- advantages ---------------------------------------------------------------------------
@@ -91,7 +102,7 @@ def test_dapo_shapes_rewards_with_the_overlong_penalty() -> None:
     batch = make_batch(
         _rollouts([9, 10, 4], [1.0, 1.0, 0.0], [0, 0, 0], max_new_tokens=10), TrainerSettings(algorithm="dapo")
     )
-    adv = [float(a[-1]) for a in batch.tensors["advantages"]]
+    adv = [float(a[-1]) for a in batch.fields.need("advantages")]
     std = math.sqrt(1 / 18)
     assert adv == pytest.approx([(1 / 3) / std, (-1 / 6) / std, (-1 / 6) / std], rel=1e-5)
     # An explicit overlong section wins: penalty 0 turns it off (equal rewards -> 1, 1, -2 over std).
@@ -107,9 +118,9 @@ def test_token_mean_is_the_default_and_adds_no_tensors() -> None:
     GRPO's group advantages."""
     rollouts = _rollouts([2, 4], [1.0, 0.0], [0, 0])
     batch = make_batch(rollouts, TrainerSettings())
-    assert sorted(batch.tensors) == ["advantages", "behav_logprobs"]
+    assert sorted(name for name, _ in batch.fields.present()) == ["advantages", "behav_logprobs"]
     want = group_advantages([1.0, 0.0], [0, 0])
-    assert [float(a[-1]) for a in batch.tensors["advantages"]] == torch.tensor(want).tolist()  # fp32, as before
+    assert [float(a[-1]) for a in batch.fields.need("advantages")] == torch.tensor(want).tolist()  # fp32, as before
     assert loss_weights(rollouts, objective(TrainerSettings(algorithm="dapo"))) is None  # DAPO: token-mean too
 
 
@@ -121,10 +132,9 @@ def test_dr_grpo_constant_length_aggregation() -> None:
     rollouts = _rollouts([2, 4], [1.0, 0.0], [0, 0])
     batch = make_batch(rollouts, TrainerSettings(algorithm="dr-grpo"))
     mask, inputs = _micro_batch(batch)
-    assert inputs["loss_weights"][mask > 0].tolist() == pytest.approx([6 / 16] * 6)
-    value, _ = PPOLoss(LossSettings(), objective(TrainerSettings(algorithm="dr-grpo")))(
-        _out([0.0] * len(mask)), mask, inputs
-    )
+    assert inputs.need("loss_weights")[mask > 0].tolist() == pytest.approx([6 / 16] * 6)
+    dr_grpo = objective(TrainerSettings(algorithm="dr-grpo"))
+    value, _ = PPOLoss(LossSettings(), dr_grpo, proximal=False, behaviour=True)(_out([0.0] * len(mask)), mask, inputs)
     assert float(value.detach()) / batch.num_loss_tokens() == pytest.approx(1 / 16)
     # aggregationLength replaces maxNewTokens: L = 3 -> each token 6 / (2 * 3) = 1.
     explicit = TrainerSettings(algorithm="dr-grpo", loss={"aggregationLength": 3})
@@ -149,11 +159,12 @@ def test_gspo_sequence_ratio_and_clip() -> None:
     # for each of its tokens is n * (-A s1 / n) = -A s1 = 2 (token-mean; the same as per token).
     loss = PPOLoss(LossSettings(clip_eps=0.2, behav_imp_weight_cap=None), objective(TrainerSettings(algorithm="gspo")))
     out = _out([-1.0, -1.0, -2.0, -1.0, -1.0])
-    inputs = {
-        "advantages": torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0]),
-        "old_logprobs": torch.tensor([-5.0, -1.1, -2.3, -1.05, -0.95]),
-        "sample_index": torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]),
-    }
+    inputs = TokenFields(
+        advantages=torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0]),
+        old_logprobs=torch.tensor([-5.0, -1.1, -2.3, -1.05, -0.95]),
+        sample_index=torch.tensor([0.0, 0.0, 0.0, 1.0, 1.0]),
+        loss_weights=torch.ones(5),  # gspo's sequence-mean weights, all 1 here: the hand-computed sums hold
+    )
     value, stats = loss(out, torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0]), inputs)
     value.backward()
     assert float(value.detach()) == pytest.approx(2 * -1.2 + 2 * 2.0)
@@ -166,9 +177,11 @@ def test_gspo_sequence_ratio_and_clip() -> None:
 def test_gspo_without_old_logprobs_is_ratio_one() -> None:
     # One update per batch: prox = the current log-probs detached (exact), so s = 1 and the
     # gradient per token is -A s = -3 (see above); the value is 2 tokens x -3.
-    loss = PPOLoss(LossSettings(behav_imp_weight_cap=None), objective(TrainerSettings(algorithm="gspo")))
+    gspo = objective(TrainerSettings(algorithm="gspo"))
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=None), gspo, proximal=False)
     out = _out([-1.0, -4.0])
-    value, _ = loss(out, torch.ones(2), {"advantages": torch.full((2,), 3.0), "sample_index": torch.zeros(2)})
+    inputs = TokenFields(advantages=torch.full((2,), 3.0), sample_index=torch.zeros(2), loss_weights=torch.ones(2))
+    value, _ = loss(out, torch.ones(2), inputs)
     value.backward()
     assert float(value.detach()) == pytest.approx(-6.0)
     assert out.logprobs is not None and out.logprobs.grad is not None
@@ -187,25 +200,33 @@ def test_gspo_without_old_logprobs_is_ratio_one() -> None:
     ],
 )
 def test_behaviour_weight_modes(mode: str, want_loss: float, stat: str, count: float) -> None:
-    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0, behav_weight_mode=mode))  # type: ignore[arg-type]
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0, behav_weight_mode=mode), behaviour=True)  # type: ignore[arg-type]
     prox = torch.tensor([-1.0, -1.0, -2.0, -2.0])
-    inputs = {
-        "advantages": torch.ones(4),
-        "old_logprobs": prox,
-        "behav_logprobs": prox - torch.log(torch.tensor([1.5, 3.0, 1.2, 1.2])),
-        "sample_index": torch.tensor([0.0, 0.0, 1.0, 1.0]),
-    }
+    inputs = TokenFields(
+        advantages=torch.ones(4),
+        old_logprobs=prox,
+        behav_logprobs=prox - torch.log(torch.tensor([1.5, 3.0, 1.2, 1.2])),
+        sample_index=torch.tensor([0.0, 0.0, 1.0, 1.0]),
+    )
     value, stats = loss(_out(prox.tolist()), torch.ones(4), inputs)
     assert float(value.detach()) == pytest.approx(want_loss, rel=1e-5)
     assert float(stats[stat]) == count
 
 
-def test_sequence_options_need_a_sample_index() -> None:
+def test_a_loss_names_the_field_its_settings_read_and_the_batch_lacks() -> None:
+    """What the loss reads is fixed when it is built: a batch without it is one clear error,
+    never a silently different objective."""
     from treetrain.rl.losses import LossConfigError
 
-    loss = PPOLoss(LossSettings(behav_weight_mode="sequence-mask"))
-    with pytest.raises(LossConfigError, match="sample_index"):
-        loss(_out([-1.0]), torch.ones(1), {"advantages": torch.ones(1)})
+    one = TokenFields(advantages=torch.ones(1), old_logprobs=torch.zeros(1))
+    with pytest.raises(LossInputError, match="sample_index"):
+        PPOLoss(LossSettings(behav_weight_mode="sequence-mask"))(_out([-1.0]), torch.ones(1), one)
+    with pytest.raises(LossInputError, match="behav_logprobs"):
+        PPOLoss(LossSettings(), behaviour=True)(_out([-1.0]), torch.ones(1), one)
+    with pytest.raises(LossInputError, match="old_logprobs"):
+        PPOLoss(LossSettings())(_out([-1.0]), torch.ones(1), TokenFields(advantages=torch.ones(1)))
+    with pytest.raises(LossConfigError, match="ref_logprobs"):
+        PPOLoss(LossSettings(kl_coef=0.1))
 
 
 def test_segment_mean_over_masked_positions() -> None:
@@ -237,8 +258,8 @@ def test_the_grpo_default_gives_todays_numbers_bit_for_bit() -> None:
     old = logp + 0.3 * torch.randn(64, generator=g)
     behav = old + torch.randn(64, generator=g)  # some weights past the cap of 5
     adv, mask = torch.randn(64, generator=g), (torch.rand(64, generator=g) > 0.3).float()
-    inputs = {"advantages": adv, "old_logprobs": old, "behav_logprobs": behav}
-    loss = PPOLoss(LossSettings(dual_clip=3.0), objective(TrainerSettings()))
+    inputs = TokenFields(advantages=adv, old_logprobs=old, behav_logprobs=behav)
+    loss = PPOLoss(LossSettings(dual_clip=3.0), objective(TrainerSettings()), behaviour=True)
     value, stats = loss(MicroBatchOutput(logprobs=logp), mask, inputs)
     assert torch.equal(value, _todays_loss(logp, mask, adv, old, behav))
     assert float(stats["behav_dropped"]) > 0
@@ -261,7 +282,7 @@ def test_presets_and_an_explicit_option_wins() -> None:
     assert (mine.dynamic_sampling, mine.clip_eps_high, mine.aggregation) == (False, 0.3, "sequence-mean")
     # clip-higher from the preset reaches the loss: ratio 1.5 with A = 1 is clipped at 1.28.
     value, _ = PPOLoss(LossSettings(behav_imp_weight_cap=None), dapo)(
-        _out([math.log(1.5)]), torch.ones(1), {"advantages": torch.ones(1), "old_logprobs": torch.zeros(1)}
+        _out([math.log(1.5)]), torch.ones(1), TokenFields(advantages=torch.ones(1), old_logprobs=torch.zeros(1))
     )
     assert float(value.detach()) == pytest.approx(-1.28)
     grpo = objective(TrainerSettings())
@@ -327,7 +348,9 @@ class _Task:
         return _Episode(g, self.made[g] - 1, g in self.informative)
 
 
-def _collect(informative: set[int], groups: int = 4) -> tuple[Rollouts, list[int], list[str]]:
+def _collect(informative: set[int], groups: int = 4) -> tuple[Rollouts, list[int], list[str], dict[str, int]]:
+    """Step 3 of a dapo run played inline by the group scheduler (bound 0), as the trainer does;
+    returns the rollouts, the generate calls' seeds, the log lines and the dropped counts."""
     from treetrain.rl.rollout import Generation
 
     settings = TrainerSettings(algorithm="dapo", groups_per_step=groups, group_size=2)
@@ -338,16 +361,27 @@ def _collect(informative: set[int], groups: int = 4) -> tuple[Rollouts, list[int
         return [Generation(tokens=[9, 10], logprobs=[-1.0, -1.0]) for _ in prompts]
 
     lines: list[str] = []
-    out = collect_rollouts(_Task(settings, 3, informative), generate, settings, 3, log=lines.append)  # type: ignore[arg-type]
-    return out, seeds, lines
+    keep = Algorithm(settings, actor=None).keep  # type: ignore[arg-type]  # only the keep rule is read
+    scheduler = GroupScheduler(
+        TaskSource(_Task(settings, 3, informative), generate, settings),  # type: ignore[arg-type]
+        task="test",
+        episode_timeout_s=60.0,
+        groups_per_step=groups,
+        max_staleness=0,
+        steps=4,
+        start_step=3,
+        keep=keep,
+        log=lines.append,
+    )
+    return scheduler.take(3), seeds, lines, scheduler.dropped
 
 
 def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
     # Round 0: groups 0-3, informative 1 and 3 (2 dropped). Round 1: 2 missing -> groups 4, 5:
     # 5 kept (3 dropped). Round 2: group 6, dropped (4). Round 3: group 7, kept: 4 groups.
-    out, seeds, lines = _collect({1, 3, 5, 7})
+    out, seeds, lines, dropped = _collect({1, 3, 5, 7})
     assert sorted(set(out.groups)) == [1, 3, 5, 7] and len(out.rewards) == 8
-    assert out.dropped_groups == 4 and lines == []
+    assert dropped == {"filtered": 4, "failed": 0} and lines == []
     assert seeds[0] == seed_of(0, 3, 1_000_003, 0)  # the first round is seeded as without dynamic sampling
     assert len(set(seeds)) == 4  # each extra round has its own sampling seed
     assert sorted({s.episode for s in out.samples}) == list(range(8))  # renumbered episodes
@@ -356,12 +390,13 @@ def test_dynamic_sampling_keeps_sampling_until_the_batch_is_full() -> None:
 
 def test_dynamic_sampling_stops_after_its_extra_groups() -> None:
     # groupsPerStep 2, only group 0 informative: extra groups 2..9 (4 x 2) all dropped.
-    out, _, lines = _collect({0}, groups=2)
-    assert sorted(set(out.groups)) == [0] and out.dropped_groups == 1 + 8
-    assert len(lines) == 1 and "kept 1 of 2 groups after 8 extra" in lines[0]
-    # Nothing informative at all: the first groups are trained (no signal), not an empty batch.
-    out, _, lines = _collect(set(), groups=2)
-    assert sorted(set(out.groups)) == [0, 1] and out.dropped_groups == 8
+    out, _, lines, dropped = _collect({0}, groups=2)
+    assert sorted(set(out.groups)) == [0] and dropped["filtered"] == 1 + 8
+    assert len(lines) == 1 and "step 4 trains 1 of 2 groups (10 tried" in lines[0]
+    # Nothing informative at all: the first groups are trained (no signal), not an empty batch;
+    # every group played and filtered counts as dropped, the first ones too.
+    out, _, lines, dropped = _collect(set(), groups=2)
+    assert sorted(set(out.groups)) == [0, 1] and dropped["filtered"] == 10
     assert "carry no signal" in lines[0]
 
 
@@ -369,13 +404,14 @@ def test_without_dynamic_sampling_every_group_is_kept() -> None:
     from treetrain.rl.rollout import Generation
 
     settings = TrainerSettings(groups_per_step=3, group_size=2)
-    out = collect_rollouts(
+    source = TaskSource(
         _Task(settings, 0, set()),  # type: ignore[arg-type]
         lambda prompts, params, seed: [Generation(tokens=[9], logprobs=[-1.0]) for _ in prompts],
         settings,
-        0,
     )
-    assert out.groups == [0, 0, 1, 1, 2, 2] and out.dropped_groups == 0 and out.max_new_tokens == 4
+    scheduler = GroupScheduler(source, task="test", episode_timeout_s=60.0, groups_per_step=3, max_staleness=0, steps=1)
+    out = scheduler.take(0)
+    assert out.groups == [0, 0, 1, 1, 2, 2] and scheduler.dropped["filtered"] == 0 and out.max_new_tokens == 4
 
 
 # -- engines: per-sample reductions tree-packed vs flat -----------------------------------
@@ -406,15 +442,14 @@ def _sequence_batch() -> TrainBatch:
     g = torch.Generator().manual_seed(5)
     lengths = [int(m.sum()) for m in batch.loss_mask]
     total, count = sum(lengths), len(lengths)
-    old = batch.tensors["old_logprobs"]
-    batch.tensors["behav_logprobs"] = [
-        o - (1.5 if i % 3 == 0 else 0.3) * torch.rand(len(o), generator=g) for i, o in enumerate(old)
-    ]
-    batch.tensors["sample_index"] = [torch.full((len(o),), float(i)) for i, o in enumerate(old)]
-    batch.tensors["loss_weights"] = [
-        torch.full((len(o),), total / (count * max(n, 1))) for o, n in zip(old, lengths, strict=True)
-    ]
-    return batch
+    old = batch.fields.need("old_logprobs")
+    fields = dataclasses.replace(
+        batch.fields,
+        behav_logprobs=[o - (1.5 if i % 3 == 0 else 0.3) * torch.rand(len(o), generator=g) for i, o in enumerate(old)],
+        sample_index=[torch.full((len(o),), float(i)) for i, o in enumerate(old)],
+        loss_weights=[torch.full((len(o),), total / (count * max(n, 1))) for o, n in zip(old, lengths, strict=True)],
+    )
+    return dataclasses.replace(batch, fields=fields)
 
 
 @pytest.mark.parametrize("backend", ["fsdp:d1", "megatron:d1", "archon:d1"])
@@ -434,7 +469,8 @@ def test_sequence_reductions_tree_equals_flat(
     from treetrain.engines import build_engine
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    loss = PPOLoss(LossSettings(clip_eps=0.2, behav_imp_weight_cap=2.0, **options))  # type: ignore[arg-type]
+    settings = LossSettings(clip_eps=0.2, behav_imp_weight_cap=2.0, aggregation="sequence-mean", **options)  # type: ignore[arg-type]
+    loss = PPOLoss(settings, behaviour=True)
     batch = _sequence_batch()
     ref_loss, ref_grads, _ = reference(qwen3, batch, loss)
     tree = TreeTrainingSettings(max_tokens_per_mb=64, block_size=16)

@@ -269,7 +269,7 @@ def test_render_prompt_keeps_one_bos(tokenizer: Any) -> None:
 
 
 def test_play_episodes_asks_a_dataset_task_by_step_and_group() -> None:
-    from treetrain.rl.collect import play_episodes
+    from treetrain.rl.episodes import play_episodes
     from treetrain.rl.rollout import Generation
 
     asked: list[tuple[int, int]] = []

@@ -274,12 +274,12 @@ def test_a_row_that_breaks_mid_run_names_its_index() -> None:
 def test_train_maps_a_dataset_error_raised_at_any_step_to_exit_2(
     cli: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import treetrain.trainer.loop as loop
+    import treetrain.trainer.run as run
 
     def fail(*_: Any, **__: Any) -> Any:
         raise DatasetError("trainer.dataset rows.jsonl: row index 7: no prompt; fix: give every row a prompt")
 
-    monkeypatch.setattr(loop, "run_training", fail)
+    monkeypatch.setattr(run, "run_training", fail)
     code, _, err = cli("train", str(write_config(tmp_path, jsonl(tmp_path / "a.jsonl", GOOD))))
     assert (
         code == 2

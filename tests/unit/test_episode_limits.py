@@ -18,7 +18,7 @@ import yaml
 from helpers import subprocess_env
 
 from treetrain import config as C
-from treetrain.rl.collect import episode_cap
+from treetrain.rl.episodes import episode_cap
 from treetrain.rl.limits import STOP_GRACE_S, EpisodeTimeoutError, TaskClock, TaskInterrupted
 from treetrain.rl.task import TaskError
 from treetrain.trainer.loop import Trainer

@@ -226,17 +226,17 @@ class ScriptedGenerate:
 def test_the_agent_through_the_proxy_extends_its_tokens_across_the_tool_turn(calc: ModuleType) -> None:
     from treetrain.engines.builtin import load_tokenizer
     from treetrain.proxy.chat import ChatRenderer
-    from treetrain.proxy.server import ProxyServer
+    from treetrain.proxy.server import ProxyServer, RLService
 
     renderer = ChatRenderer(load_tokenizer("builtin:smollm2-135m"))
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 30 - 4 * 30"}}</tool_call>'
     generate = ScriptedGenerate(renderer, [call, "That is 240.\n#### 240"])
-    server = ProxyServer(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m")
+    server = ProxyServer(RLService(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m"))
     server.start("127.0.0.1", 0)
     try:
-        session = server.store.create(seed=1)
+        session = server.service.open_session(seed=1)
         assert _play(calc, server.url + "/v1", ROW, key=session.api_key) == 1.0
-        first, second = server.store.samples(session.id)
+        (first, second), _ = server.service.samples(session.id)
         stats = server.stats.snapshot()
     finally:
         server.close()
@@ -290,14 +290,14 @@ def test_the_sdk_session_in_docs_agents_runs_as_written() -> None:
     """docs/agents.md's openai SDK example, against the in-process proxy (its address swapped in)."""
     from treetrain.engines.builtin import load_tokenizer
     from treetrain.proxy.chat import ChatRenderer
-    from treetrain.proxy.server import ProxyServer
+    from treetrain.proxy.server import ProxyServer, RLService
 
     doc = (ROOT / "docs" / "agents.md").read_text()
     code = doc.split("The same with the openai SDK", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     assert 'base = "http://127.0.0.1:8000"' in code
     renderer = ChatRenderer(load_tokenizer("builtin:smollm2-135m"))
     generate = ScriptedGenerate(renderer, ["7 * 6 = 42.", "84."])
-    server = ProxyServer(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m")
+    server = ProxyServer(RLService(generate=generate, renderer=renderer, model_name="builtin:smollm2-135m"))
     server.start("127.0.0.1", 0)
     try:
         scope: dict[str, Any] = {}
@@ -307,7 +307,7 @@ def test_the_sdk_session_in_docs_agents_runs_as_written() -> None:
         server.close()
     samples = scope["samples"]
     assert len(samples) == 2 and stats["fresh_renders"] == {"edited": 0, "template": 0}
-    assert server.store.session_reward(scope["session"]["id"]) == 1.0
+    assert server.service.samples(scope["session"]["id"])[1] == 1.0
 
 
 def _module(path: Path) -> ModuleType:

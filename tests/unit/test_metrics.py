@@ -69,7 +69,8 @@ def test_scrape_and_parse() -> None:
     metrics = M.TrainerMetrics()
     port = metrics.serve(0, "127.0.0.1")
     try:
-        fig = M.StepFigures(
+        fig = M.StepRecord(
+            step=1,
             tree_token_ratio=0.25,
             original_tokens=1000,
             tree_tokens=250,
@@ -121,8 +122,8 @@ def test_the_rollout_metrics_are_exported_from_the_first_scrape_and_count_what_s
 
     try:
         before = scrape()
-        fig = M.StepFigures(
-            tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0, train_seconds=0.5,
+        fig = M.StepRecord(
+            step=1, tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0, train_seconds=0.5,
             loss=0.0, reward=0.0, staleness=(0, 1, 1, 2), buffer_groups=3, rollout_idle_seconds=0.25,
             trainer_idle_seconds=1.5, dropped_filtered=2, dropped_failed=1, resubmitted=4, weight_version=7,
         )  # fmt: skip
@@ -166,14 +167,15 @@ def test_the_rl_health_figures_are_exported_under_their_contract_names() -> None
     never measures KL, having no reference model, shows none rather than a 0)."""
     metrics = M.TrainerMetrics()
     port = metrics.serve(0, "127.0.0.1")
-    base = dict(tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0, train_seconds=0.5,
-                loss=0.0, reward=0.0)  # fmt: skip
+    base = dict(step=1, tree_token_ratio=0.5, original_tokens=10, tree_tokens=5, padded_tokens=0, seconds=1.0,
+                train_seconds=0.5, loss=0.0, reward=0.0)  # fmt: skip
     try:
         before = _scrape(port)
-        health = dict(entropy=1.25, kl=0.003, clip_fraction=0.125, ratio_mean=1.01, ratio_max=1.5, grad_norm=0.75)
-        metrics.observe_step(M.StepFigures(**base, **health, response_lengths=(3, 5, 64), zero_signal_groups=2))
+        health = {"entropy": 1.25, "kl": 0.003, "clip_fraction": 0.125, "ratio": 1.01, "ratio_max": 1.5}
+        step = M.StepRecord(**base, stats=health, grad_norm=0.75, response_lengths=(3, 5, 64), zero_signal_groups=2)  # type: ignore[arg-type]
+        metrics.observe_step(step)
         after = _scrape(port)
-        metrics.observe_step(M.StepFigures(**base, response_lengths=(7,), zero_signal_groups=1))  # no KL this step
+        metrics.observe_step(M.StepRecord(**base, response_lengths=(7,), zero_signal_groups=1))  # type: ignore[arg-type]  # no KL this step
         later = _scrape(port)
     finally:
         metrics.close()

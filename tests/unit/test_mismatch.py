@@ -7,8 +7,9 @@ import pytest
 from helpers import small
 
 from treetrain import config as C
-from treetrain.metrics import StepFigures, TrainerMetrics
-from treetrain.trainer.loop import Trainer, format_record
+from treetrain.metrics import StepRecord, TrainerMetrics
+from treetrain.trainer.lines import format_record
+from treetrain.trainer.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("trainer_env")
 
@@ -27,9 +28,10 @@ def test_local_rollout_and_the_trainer_agree_on_every_token() -> None:
 
 def test_the_gauge_family_has_a_mean_and_a_max() -> None:
     metrics = TrainerMetrics()
-    figures = {"tree_token_ratio": 0.5, "original_tokens": 10, "tree_tokens": 5, "padded_tokens": 0, "seconds": 1.0}
-    figures |= {"train_seconds": 0.5, "loss": 0.0, "reward": 0.0, "mismatch_mean": 0.01, "mismatch_max": 0.2}
-    metrics.observe_step(StepFigures(**figures))  # type: ignore[arg-type]
+    stats = {"behav_mismatch": 0.01, "behav_mismatch_max": 0.2}
+    metrics.observe_step(
+        StepRecord(step=1, tree_token_ratio=0.5, original_tokens=10, seconds=1.0, loss=0.0, reward=0.0, stats=stats)
+    )
     samples = {(s.name, s.labels.get("stat")): s.value for f in metrics.registry.collect() for s in f.samples}
     assert samples[("treetrain_rollout_logprob_mismatch", "mean")] == 0.01
     assert samples[("treetrain_rollout_logprob_mismatch", "max")] == 0.2

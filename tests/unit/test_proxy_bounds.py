@@ -18,11 +18,11 @@ from proxy_helpers import SMOL, Scripted, request, serving
 
 from treetrain.config import ModelSettings
 from treetrain.engines import builtin
-from treetrain.engines.fsdp import build_model
+from treetrain.engines.hf_model import build_model
 from treetrain.proxy.chat import ChatRenderer
 from treetrain.proxy.sampler import BatchingSampler
 from treetrain.proxy.sessions import ProxyLimits, Refused, SessionStore
-from treetrain.rl.agent import Job, run_agents
+from treetrain.trainer.agents import Job, run_agents
 from treetrain.rl.rollout import Generation, LocalRollout, SamplingParams
 
 DEADLINE_S = 60.0
@@ -170,9 +170,9 @@ def test_a_flood_from_one_address_leaves_places_for_others(renderer: ChatRendere
         got = request(server.url, "POST", "/v1/chat/completions", {"messages": USER}, key=body["api_key"])
         assert got[0] == 200
         deadline = time.monotonic() + DEADLINE_S
-        while server.store.open_count() > 1 and time.monotonic() < deadline:
+        while server.service.store.open_count() > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert server.store.open_count() == 1  # the flood's 16 ended unused; the one that completed stays
+        assert server.service.store.open_count() == 1  # the flood's 16 ended unused; the one that completed stays
         assert _open_from(server, "127.0.0.2")[0] == 200
 
 

@@ -91,7 +91,7 @@ def test_bad_completion_prompts_and_reward_bodies(server: ProxyServer, key: str)
     for prompt in (None, "", [], ["a", "b"], [1, -2], [1, 10**9], [1.5], {"text": "x"}):
         status, _, body = request(server.url, "POST", "/v1/completions", {"prompt": prompt}, key=key)
         assert status == 400 and body["error"]["param"] == "prompt", (prompt, body)
-    sid = server.store.authenticate(key).id
+    sid = server.service.store.authenticate(key).id
     for reward in ({}, {"reward": None}, {"reward": True}, {"reward": 1.0, "completion_id": 3}):
         assert request(server.url, "POST", f"/rl/sessions/{sid}/reward", reward, key=key)[0] == 400
     assert request(server.url, "POST", "/rl/sessions", {"seed": "x"})[0] == 400
@@ -177,14 +177,14 @@ def test_10000_sessions_stay_bounded(renderer: ChatRenderer) -> None:
                 status, body = call("/rl/sessions")
                 assert status == 200, body
                 assert call(f"/rl/sessions/{body['id']}/end", body["api_key"])[0] == 200
-                kept_max = max(kept_max, len(server.store))
+                kept_max = max(kept_max, len(server.service.store))
             assert kept_max <= limits.max_sessions * (1 + ENDED_KEPT_FACTOR)
             opened = [call("/rl/sessions")[0] for _ in range(limits.max_sessions + 3)]
         finally:
             conn.close()
         assert opened.count(200) <= limits.max_sessions and opened[-3:] == [429] * 3
         assert server.stats.snapshot()["sessions_open"] == limits.max_sessions
-        assert len(server.store) <= limits.max_sessions * (1 + ENDED_KEPT_FACTOR)
+        assert len(server.service.store) <= limits.max_sessions * (1 + ENDED_KEPT_FACTOR)
 
 
 def test_broken_tool_call_json_comes_back_as_text(renderer: ChatRenderer) -> None:

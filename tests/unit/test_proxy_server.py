@@ -35,7 +35,7 @@ from proxy_helpers import (
 
 from treetrain.config import ModelSettings
 from treetrain.engines import builtin
-from treetrain.engines.fsdp import build_model
+from treetrain.engines.hf_model import build_model
 from treetrain.proxy.chat import ChatRenderer
 from treetrain.proxy.sampler import BatchingSampler
 from treetrain.proxy.server import GREEDY_TEMPERATURE
@@ -205,11 +205,11 @@ def test_rewards_per_session_and_per_completion(renderer: ChatRenderer, sync_cli
         assert status == 400 and "reward must be a finite number" in body["error"]["message"]
         assert request(server.url, "POST", url, {"reward": 1.0, "completion_id": "chatcmpl-x"}, key=key)[0] == 404
         assert [r["reward"] for r in samples(server, sid, key)] == [0.5, None]
-        assert server.store.session_reward(sid) == 1.0
-        assert [r.text for r in server.store.samples(sid)] == ["one", "two"]
-        server.store.discard(sid)
+        assert server.service.store.session_reward(sid) == 1.0
+        assert [r.text for r in server.service.store.samples(sid)] == ["one", "two"]
+        server.service.store.discard(sid)
         with pytest.raises(Refused) as err:
-            server.store.samples(sid)
+            server.service.store.samples(sid)
         assert err.value.status == 404
 
 
@@ -322,7 +322,7 @@ def test_async_clients_are_batched_and_a_failing_batch_fails_alone(renderer: Cha
             while not sizes and time.monotonic() < deadline:  # the worker holds the first call
                 await asyncio.sleep(0.01)
             rest = [asyncio.ensure_future(one(k, f"q{i}")) for i, k in enumerate(keys[1:])]
-            while len(server.sampler._queue) < 4 and time.monotonic() < deadline:
+            while len(server.service.sampler._queue) < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             release.set()
             return list(await asyncio.gather(first, *rest))

@@ -1,7 +1,7 @@
-"""The asynchronous rollout controller: admission by weight version, the buffer bound, take()
-order, dropped groups replaced, a hung task call named, and (a property test over random
-producer and consumer timings) no trained sample staler than the bound and no group lost or
-repeated across a stop, a JSON save and a resume.
+"""The group scheduler with rollout threads (maxStaleness >= 1): admission by weight version, the
+buffer bound, take() order, dropped groups replaced, a hung task call named, and (a property test
+over random producer and consumer timings) no trained sample staler than the bound and no group
+lost or repeated across a stop, a JSON save and a resume.
 
 Fakes wait on events (or for at most a few milliseconds), never on wall-clock sleeps."""
 
@@ -18,17 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from treetrain.rl import controller as C
-from treetrain.rl.collect import Rollouts, Sample
+from treetrain.rl import scheduler as C
+from treetrain.rl.episodes import GroupCall
 from treetrain.rl.limits import EpisodeTimeoutError, TaskClock
 from treetrain.rl.rollout import RolloutError
+from treetrain.rl.samples import Rollouts, Sample, rollouts_json
 
 DEADLINE_S = 60.0  # waits are for conditions; this is only how long a broken controller may take to fail
 
 
 def group(step: int, g: int, version: int, size: int = 2) -> Rollouts:
     """A group's rollouts that name it: every sample's tokens are (step, g, episode)."""
-    samples = [Sample(episode=i, tokens=[step, g, i], prompt_len=1, behav_logprobs=[-0.5, -0.5], version=version)
+    samples = [Sample(episode=i, tokens=[step, g, i], prompt_len=1, logprobs=[0.0, -0.5, -0.5], version=version)
                for i in range(size)]  # fmt: skip
     return Rollouts(samples=samples, rewards=[float(g), float(g) + 1.0][:size], groups=[g] * size)
 
@@ -43,7 +44,8 @@ class Gated:
         self.released: set[tuple[int, int]] = set()
         self.fail: set[tuple[int, int]] = set()
 
-    def __call__(self, step: int, g: int, clock: TaskClock) -> Rollouts:
+    def play(self, call: GroupCall, clock: TaskClock) -> Rollouts:
+        step, (g,) = call.step, call.groups
         version = self.served()
         with self.cond:
             self.started.append((step, g))
@@ -79,31 +81,48 @@ class Gated:
             return not self.cond.wait_for(lambda: len(self.started) > n, 0.05)
 
 
-def controller(play: C.PlayGroup, **kw: Any) -> C.RolloutController:
+PlayGroup = Callable[[int, int, TaskClock], Rollouts]
+
+
+class Played:
+    """An episode source from a function of (step, group, clock): one group per call."""
+
+    def __init__(self, play: PlayGroup) -> None:
+        self.fn = play
+
+    def play(self, call: GroupCall, clock: TaskClock) -> Rollouts:
+        (g,) = call.groups
+        return self.fn(call.step, g, clock)
+
+
+def controller(play: Any, **kw: Any) -> C.GroupScheduler:
+    version = kw.pop("version", 0)
     args: dict[str, Any] = {
         "task": "builtin:parity",
         "episode_timeout_s": 300.0,
         "groups_per_step": 2,
         "max_staleness": 1,
         "steps": 6,
+        "version": version if callable(version) else (lambda: version),
     }
-    return C.RolloutController(play, **{**args, **kw})
+    source = play if isinstance(play, Gated) else Played(play)
+    return C.GroupScheduler(source, **{**args, **kw})
 
 
 @pytest.fixture
-def made() -> Iterator[list[C.RolloutController]]:
-    found: list[C.RolloutController] = []
+def made() -> Iterator[list[C.GroupScheduler]]:
+    found: list[C.GroupScheduler] = []
     yield found
     for c in found:
         c.stop(timeout_s=0)
 
 
 def test_groups_start_only_within_the_bound_and_the_buffer_holds_at_most_n_plus_one_steps(
-    made: list[C.RolloutController],
+    made: list[C.GroupScheduler],
 ) -> None:
     version = [0]
     play = Gated(lambda: version[0])
-    c = controller(play, max_staleness=1)
+    c = controller(play, max_staleness=1, version=lambda: version[0])
     made.append(c)
     play.wait_started(4)  # steps 0 and 1 (version 0 >= s - 1), 2 groups each
     assert sorted(play.started) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -114,7 +133,7 @@ def test_groups_start_only_within_the_bound_and_the_buffer_holds_at_most_n_plus_
     # Room for two groups, but step 2 needs version >= 1: admission waits for the sync.
     assert play.starts_nothing_more(4)
     version[0] = 1
-    c.set_version(1)
+    c.version_changed()
     play.wait_started(6)
     assert sorted(play.started[4:]) == [(2, 0), (2, 1)]
     play.release((1, 0), (1, 1), (2, 0), (2, 1))
@@ -122,7 +141,7 @@ def test_groups_start_only_within_the_bound_and_the_buffer_holds_at_most_n_plus_
     assert {s.version for s in c.take(2, timeout_s=DEADLINE_S).samples} == {1}
 
 
-def test_take_returns_a_step_in_group_order_and_steps_in_order(made: list[C.RolloutController]) -> None:
+def test_take_returns_a_step_in_group_order_and_steps_in_order(made: list[C.GroupScheduler]) -> None:
     play = Gated(lambda: 0)
     c = controller(play, groups_per_step=3, max_staleness=1)
     made.append(c)
@@ -139,7 +158,7 @@ def test_take_returns_a_step_in_group_order_and_steps_in_order(made: list[C.Roll
     assert [s.episode for s in r.samples] == list(range(6))  # renumbered across groups
 
 
-def test_a_failed_group_is_dropped_counted_and_replaced(made: list[C.RolloutController]) -> None:
+def test_a_failed_group_is_dropped_counted_and_replaced(made: list[C.GroupScheduler]) -> None:
     play = Gated(lambda: 0)
     play.fail.add((0, 1))
     c = controller(play, steps=1)
@@ -149,7 +168,7 @@ def test_a_failed_group_is_dropped_counted_and_replaced(made: list[C.RolloutCont
     assert r.groups == [0, 0, 2, 2] and c.dropped == {"filtered": 0, "failed": 1}
 
 
-def test_a_filtered_group_is_dropped_counted_and_replaced(made: list[C.RolloutController]) -> None:
+def test_a_filtered_group_is_dropped_counted_and_replaced(made: list[C.GroupScheduler]) -> None:
     play = Gated(lambda: 0)
     c = controller(play, steps=1, keep=lambda r: r.groups[0] != 0)
     made.append(c)
@@ -158,7 +177,7 @@ def test_a_filtered_group_is_dropped_counted_and_replaced(made: list[C.RolloutCo
     assert c.dropped == {"filtered": 1, "failed": 0}
 
 
-def test_a_step_with_no_informative_group_trains_its_first_groups(made: list[C.RolloutController]) -> None:
+def test_a_step_with_no_informative_group_trains_its_first_groups(made: list[C.GroupScheduler]) -> None:
     """As the synchronous loop does: all groups filtered up to the cap, the first ones are trained."""
     c = controller(lambda step, g, clock: group(step, g, 0), steps=1, keep=lambda r: False)
     made.append(c)
@@ -166,7 +185,7 @@ def test_a_step_with_no_informative_group_trains_its_first_groups(made: list[C.R
     assert c.dropped == {"filtered": 10, "failed": 0}
 
 
-def test_a_step_whose_groups_all_fail_says_so_instead_of_hanging(made: list[C.RolloutController]) -> None:
+def test_a_step_whose_groups_all_fail_says_so_instead_of_hanging(made: list[C.GroupScheduler]) -> None:
     def play(step: int, g: int, clock: TaskClock) -> Rollouts:
         raise RolloutError("connection refused")
 
@@ -180,7 +199,7 @@ def test_a_step_whose_groups_all_fail_says_so_instead_of_hanging(made: list[C.Ro
 
 
 def test_a_hung_task_call_fails_take_naming_the_task(
-    made: list[C.RolloutController], monkeypatch: pytest.MonkeyPatch
+    made: list[C.GroupScheduler], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(C, "WATCH_MARGIN_S", 0.0)
     unblock = threading.Event()
@@ -200,7 +219,7 @@ def test_a_hung_task_call_fails_take_naming_the_task(
         unblock.set()
 
 
-def test_an_error_of_the_task_reaches_the_trainer(made: list[C.RolloutController]) -> None:
+def test_an_error_of_the_task_reaches_the_trainer(made: list[C.GroupScheduler]) -> None:
     def play(step: int, g: int, clock: TaskClock) -> Rollouts:
         raise KeyError("the task broke")
 
@@ -210,7 +229,7 @@ def test_an_error_of_the_task_reaches_the_trainer(made: list[C.RolloutController
         c.take(0, timeout_s=DEADLINE_S)
 
 
-def test_after_halt_only_the_step_being_waited_for_starts_groups(made: list[C.RolloutController]) -> None:
+def test_after_halt_only_the_step_being_waited_for_starts_groups(made: list[C.GroupScheduler]) -> None:
     """SIGTERM: the step in progress still gets its groups; no later step starts one."""
     play = Gated(lambda: 0)
     c = controller(play, groups_per_step=1, max_staleness=2, steps=6)
@@ -219,12 +238,13 @@ def test_after_halt_only_the_step_being_waited_for_starts_groups(made: list[C.Ro
     play.release((0, 0), (1, 0), (2, 0), (3, 0))
     c.take(0, timeout_s=DEADLINE_S)
     c.halt()
-    c.set_version(1)  # step 3 is admissible now, but halted
+    c.version = lambda: 1
+    c.version_changed()  # step 3 is admissible now, but halted
     assert play.starts_nothing_more(3)
     assert c.take(1, timeout_s=DEADLINE_S).groups == [0, 0]
 
 
-def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.RolloutController]) -> None:
+def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.GroupScheduler]) -> None:
     play = Gated(lambda: 0)
     c = controller(play, steps=3)
     made.append(c)
@@ -245,7 +265,7 @@ def test_the_state_round_trips_through_json_and_resumes_the_buffer(made: list[C.
     play.release(*[(s, g) for s in range(3) for g in range(2)])
 
 
-def test_a_resume_with_a_smaller_bound_plays_again_what_it_would_not_admit(made: list[C.RolloutController]) -> None:
+def test_a_resume_with_a_smaller_bound_plays_again_what_it_would_not_admit(made: list[C.GroupScheduler]) -> None:
     state = {
         "version": C.STATE_VERSION,
         "next_step": 3,
@@ -261,7 +281,7 @@ def test_a_resume_with_a_smaller_bound_plays_again_what_it_would_not_admit(made:
 
 
 def _json(r: Rollouts) -> dict[str, Any]:
-    return json.loads(json.dumps(C._rollouts_json(r)))
+    return json.loads(json.dumps(rollouts_json(r)))
 
 
 # -- the property test ---------------------------------------------------------------------
@@ -294,7 +314,7 @@ def test_no_sample_is_staler_than_the_bound_and_no_group_is_lost_or_repeated_acr
     delays = [rng.random() * 0.003 for _ in range(256)]  # a few ms at most: waits on an event that never fires
     never = threading.Event()
     peak = [0]
-    current: list[C.RolloutController] = []
+    current: list[C.GroupScheduler] = []
 
     def play(step: int, g: int, clock: TaskClock) -> Rollouts:
         with lock:
@@ -305,16 +325,16 @@ def test_no_sample_is_staler_than_the_bound_and_no_group_is_lost_or_repeated_acr
             peak[0] = max(peak[0], current[-1].in_flight())
         return group(step, g, version)
 
-    def make(start: int, state: dict[str, Any] | None) -> C.RolloutController:
-        c = C.RolloutController(
-            play,
+    def make(start: int, state: dict[str, Any] | None) -> C.GroupScheduler:
+        c = C.GroupScheduler(
+            Played(play),
             task="builtin:parity",
             episode_timeout_s=300.0,
             groups_per_step=per_step,
             max_staleness=bound,
             steps=steps,
             start_step=start,
-            version=start,
+            version=lambda: served[0],
             keep=lambda r: not filtered(r.samples[0].tokens[0], r.groups[0]),
             state=state,
         )
@@ -336,8 +356,8 @@ def test_no_sample_is_staler_than_the_bound_and_no_group_is_lost_or_repeated_acr
             trained[k] = sorted(set(r.groups))
             never.wait(delays[(k * 13 + seed) % len(delays)])  # the train step
             with lock:
-                served[0] = k + 1  # the weight sync, then the controller hears of it
-            c.set_version(k + 1)
+                served[0] = k + 1  # the weight sync, then the scheduler hears of it
+            c.version_changed()
     finally:
         for made in current:
             made.stop(timeout_s=DEADLINE_S)

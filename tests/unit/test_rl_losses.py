@@ -12,7 +12,8 @@ from pydantic import ValidationError
 
 from treetrain.config import LossSettings, ValueLossSettings
 from treetrain.engines.base import MicroBatchOutput
-from treetrain.rl.losses import LossConfigError, PPOLoss, ValueLoss, group_advantages
+from treetrain.engines.batch import TokenFields
+from treetrain.rl.losses import LossConfigError, LossInputError, PPOLoss, ValueLoss, group_advantages
 
 
 @pytest.mark.parametrize(
@@ -52,7 +53,7 @@ def _out(logp: list[float]) -> MicroBatchOutput:
 def test_ppo_clip(ratio: float, adv: float, clipped: bool, want_loss: float, want_grad: float) -> None:
     loss = PPOLoss(LossSettings(clip_eps=0.2, behav_imp_weight_cap=None))
     out = _out([math.log(ratio)])
-    value, stats = loss(out, torch.ones(1), {"advantages": torch.tensor([adv]), "old_logprobs": torch.zeros(1)})
+    value, stats = loss(out, torch.ones(1), TokenFields(advantages=torch.tensor([adv]), old_logprobs=torch.zeros(1)))
     value.backward()
     assert float(value.detach()) == pytest.approx(want_loss)
     assert out.logprobs is not None and out.logprobs.grad is not None
@@ -62,18 +63,20 @@ def test_ppo_clip(ratio: float, adv: float, clipped: bool, want_loss: float, wan
 
 def test_clip_higher_and_dual_clip() -> None:
     high = PPOLoss(LossSettings(clip_eps=0.2, clip_eps_high=0.28, behav_imp_weight_cap=None))
-    value, _ = high(_out([math.log(1.5)]), torch.ones(1), {"advantages": torch.ones(1), "old_logprobs": torch.zeros(1)})
+    value, _ = high(
+        _out([math.log(1.5)]), torch.ones(1), TokenFields(advantages=torch.ones(1), old_logprobs=torch.zeros(1))
+    )
     assert float(value.detach()) == pytest.approx(-1.28)
     dual = PPOLoss(LossSettings(clip_eps=0.2, dual_clip=3.0, behav_imp_weight_cap=None))
-    inputs = {"advantages": torch.tensor([-1.0]), "old_logprobs": torch.zeros(1)}
+    inputs = TokenFields(advantages=torch.tensor([-1.0]), old_logprobs=torch.zeros(1))
     value, _ = dual(_out([math.log(10.0)]), torch.ones(1), inputs)
     assert float(value.detach()) == pytest.approx(3.0)  # bounded at dual_clip * |A| instead of 10
 
 
 def test_masked_tokens_contribute_nothing() -> None:
-    loss = PPOLoss(LossSettings())
+    loss = PPOLoss(LossSettings(), proximal=False)
     out = _out([-1.0, -2.0, -3.0])
-    value, stats = loss(out, torch.tensor([0.0, 1.0, 0.0]), {"advantages": torch.tensor([5.0, 2.0, 7.0])})
+    value, stats = loss(out, torch.tensor([0.0, 1.0, 0.0]), TokenFields(advantages=torch.tensor([5.0, 2.0, 7.0])))
     value.backward()
     assert float(value.detach()) == pytest.approx(-2.0)  # old = current (detached): ratio 1
     assert out.logprobs is not None and out.logprobs.grad is not None
@@ -82,12 +85,12 @@ def test_masked_tokens_contribute_nothing() -> None:
 
 
 def test_decoupled_behaviour_weights_and_cap() -> None:
-    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0))
-    inputs = {
-        "advantages": torch.ones(2),
-        "old_logprobs": torch.tensor([-1.0, -1.0]),
-        "behav_logprobs": torch.tensor([-1.0 - math.log(1.5), -1.0 - math.log(3.0)]),  # weights 1.5 and 3
-    }
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0), behaviour=True)
+    inputs = TokenFields(
+        advantages=torch.ones(2),
+        old_logprobs=torch.tensor([-1.0, -1.0]),
+        behav_logprobs=torch.tensor([-1.0 - math.log(1.5), -1.0 - math.log(3.0)]),  # weights 1.5 and 3
+    )
     value, stats = loss(_out([-1.0, -1.0]), torch.ones(2), inputs)
     assert float(value.detach()) == pytest.approx(-1.5)  # the token over the cap is dropped
     assert float(stats["behav_dropped"]) == 1.0
@@ -98,12 +101,12 @@ def test_decoupled_behaviour_weights_and_cap() -> None:
 
 def test_a_nan_behaviour_weight_is_dropped_not_spread() -> None:
     # A sampler log-prob of NaN (a broken server reply): that token goes, the rest trains as before.
-    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0))
-    inputs = {
-        "advantages": torch.ones(2),
-        "old_logprobs": torch.tensor([-1.0, -1.0]),
-        "behav_logprobs": torch.tensor([-1.0 - math.log(1.5), float("nan")]),
-    }
+    loss = PPOLoss(LossSettings(behav_imp_weight_cap=2.0), behaviour=True)
+    inputs = TokenFields(
+        advantages=torch.ones(2),
+        old_logprobs=torch.tensor([-1.0, -1.0]),
+        behav_logprobs=torch.tensor([-1.0 - math.log(1.5), float("nan")]),
+    )
     out = _out([-1.0, -1.0])
     value, stats = loss(out, torch.ones(2), inputs)
     assert float(value.detach()) == pytest.approx(-1.5) and float(stats["behav_dropped"]) == 1.0
@@ -121,11 +124,13 @@ def test_max_stats_reduce_as_maxima_and_sums_as_means() -> None:
 
 
 def test_kl_needs_ref_and_is_k3() -> None:
-    loss = PPOLoss(LossSettings(kl_coef=0.5))
     with pytest.raises(LossConfigError, match="ref_logprobs"):
-        loss(_out([-1.0]), torch.ones(1), {"advantages": torch.zeros(1)})
+        PPOLoss(LossSettings(kl_coef=0.5), proximal=False)
+    loss = PPOLoss(LossSettings(kl_coef=0.5), proximal=False, reference=True)
+    with pytest.raises(LossInputError, match="ref_logprobs"):
+        loss(_out([-1.0]), torch.ones(1), TokenFields(advantages=torch.zeros(1)))
     value, stats = loss(
-        _out([-1.0]), torch.ones(1), {"advantages": torch.zeros(1), "ref_logprobs": torch.tensor([-2.0])}
+        _out([-1.0]), torch.ones(1), TokenFields(advantages=torch.zeros(1), ref_logprobs=torch.tensor([-2.0]))
     )
     k3 = math.exp(-1.0) + 1.0 - 1.0
     assert float(stats["kl"]) == pytest.approx(k3)
@@ -133,10 +138,10 @@ def test_kl_needs_ref_and_is_k3() -> None:
 
 
 def test_entropy_bonus_asks_for_entropy() -> None:
-    loss = PPOLoss(LossSettings(entropy_coef=0.1))
+    loss = PPOLoss(LossSettings(entropy_coef=0.1), proximal=False)
     assert loss.needs_entropy
     out = MicroBatchOutput(logprobs=torch.tensor([-1.0]), entropy=torch.tensor([2.0]))
-    value, stats = loss(out, torch.ones(1), {"advantages": torch.zeros(1)})
+    value, stats = loss(out, torch.ones(1), TokenFields(advantages=torch.zeros(1)))
     assert float(value.detach()) == pytest.approx(-0.2)
     assert float(stats["entropy"]) == pytest.approx(2.0)
 
@@ -144,11 +149,11 @@ def test_entropy_bonus_asks_for_entropy() -> None:
 def test_entropy_and_kl_are_reported_without_entering_the_loss() -> None:
     """The trainer reports entropy every step and KL whenever a reference exists: with both
     coefficients 0 they are statistics only, and the loss is the plain clipped surrogate."""
-    loss = PPOLoss(LossSettings())
+    loss = PPOLoss(LossSettings(), proximal=False, reference=True)
     assert loss.needs_entropy  # always asked for: the step line and treetrain_policy_entropy show it
     out = MicroBatchOutput(logprobs=torch.tensor([-1.0, -1.0]), entropy=torch.tensor([2.0, 4.0]))
     mask = torch.tensor([1.0, 0.0])
-    value, stats = loss(out, mask, {"advantages": torch.ones(2), "ref_logprobs": torch.tensor([-2.0, -2.0])})
+    value, stats = loss(out, mask, TokenFields(advantages=torch.ones(2), ref_logprobs=torch.tensor([-2.0, -2.0])))
     assert float(value.detach()) == pytest.approx(-1.0)  # -ratio * advantage of the one masked-in token
     assert float(stats["entropy"]) == pytest.approx(2.0)  # masked token only
     assert float(stats["kl"]) == pytest.approx(math.exp(-1.0) + 1.0 - 1.0)
@@ -159,16 +164,16 @@ def test_ratio_max_is_the_largest_masked_ratio() -> None:
     logp = torch.tensor([-1.0, -0.5, 0.0])
     old = torch.tensor([-1.0, -1.0, -2.0])  # ratios 1, e^0.5, e^2 (the last one masked out)
     _, stats = loss(
-        _out(logp.tolist()), torch.tensor([1.0, 1.0, 0.0]), {"advantages": torch.ones(3), "old_logprobs": old}
+        _out(logp.tolist()), torch.tensor([1.0, 1.0, 0.0]), TokenFields(advantages=torch.ones(3), old_logprobs=old)
     )
     assert float(stats["ratio_max"]) == pytest.approx(math.exp(0.5))
     assert float(stats["ratio"]) == pytest.approx(1.0 + math.exp(0.5))  # a sum; the engine divides by tokens
 
 
 def test_value_loss_clips_around_old_values() -> None:
-    loss = ValueLoss(ValueLossSettings(clip_eps=0.1))
+    loss = ValueLoss(ValueLossSettings(clip_eps=0.1), clipped=True)
     out = MicroBatchOutput(values=torch.tensor([1.0, 0.5]))
-    inputs = {"returns": torch.tensor([0.0, 0.5]), "old_values": torch.tensor([0.0, 0.5])}
+    inputs = TokenFields(returns=torch.tensor([0.0, 0.5]), old_values=torch.tensor([0.0, 0.5]))
     value, _ = loss(out, torch.tensor([1.0, 1.0]), inputs)
     # token 0: unclipped error 1.0, clipped prediction 0.1 -> error 0.01; the max is kept
     assert float(value.detach()) == pytest.approx(0.5 * 1.0)

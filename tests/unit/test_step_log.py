@@ -19,8 +19,9 @@ from helpers import merge, small
 from treetrain.cli import main
 from treetrain.config.schema import MetricsSettings
 from treetrain.engines.base import EngineConfigError
-from treetrain.rl.collect import Rollouts, Sample
-from treetrain.trainer.loop import StepRecord, format_record
+from treetrain.metrics import StepRecord
+from treetrain.rl.samples import Rollouts, Sample
+from treetrain.trainer.lines import format_record, health_parts
 from treetrain.trainer.step_log import (
     STEP_LOG_FILE,
     TRACKING_INSTALL,
@@ -29,7 +30,6 @@ from treetrain.trainer.step_log import (
     StepSinks,
     check_sinks,
     drop_after,
-    health_parts,
     record_figures,
     rollout_signals,
 )
@@ -62,7 +62,7 @@ def test_figures_a_step_did_not_measure_are_left_out_but_the_signal_part_always_
     rec.zero_signal_groups = rec.groups  # a reward stuck at 0: no group has a signal
     rec.response_lengths = ()
     assert health_parts(rec) == "ent 2 clip 0 ratio 1.00/1.00 gnorm 0.84 | no-signal 8/8 groups"
-    rec.dropped_groups = 5  # dynamic sampling dropped some, played others instead
+    rec.dropped_filtered = 5  # dynamic sampling dropped some, played others instead
     assert health_parts(rec).endswith("| no-signal 8/8 groups, 5 dropped")
 
 
@@ -73,8 +73,8 @@ def test_zero_signal_groups_and_reply_lengths_from_a_known_reward_table() -> Non
     # Groups 0..3 of 3 episodes each; every episode one turn except episode 4 (two turns).
     rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0, 1.0, 0.0]
     groups = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
-    samples = [Sample(episode=e, tokens=[1] * (10 + e), prompt_len=10, behav_logprobs=[]) for e in range(12)]
-    samples.append(Sample(episode=4, tokens=[1] * 40, prompt_len=30, behav_logprobs=[]))
+    samples = [Sample(episode=e, tokens=[1] * (10 + e), prompt_len=10, logprobs=[0.0] * (10 + e)) for e in range(12)]
+    samples.append(Sample(episode=4, tokens=[1] * 40, prompt_len=30, logprobs=[0.0] * 40))
     signals = rollout_signals(Rollouts(samples=samples, rewards=rewards, groups=groups))
     # Groups 1 (all 0) and 2 (all 0.5) have equal rewards: no group-relative signal.
     assert signals["groups"] == 4 and signals["zero_signal_groups"] == 2

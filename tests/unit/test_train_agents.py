@@ -18,8 +18,9 @@ import yaml
 from treetrain import config as C
 from treetrain.rl.dataset import DataCursor
 from treetrain.rl.task import TaskError
-from treetrain.trainer.loop import Trainer, run_training
-from treetrain.trainer.sources import DATA_STATE
+from treetrain.trainer.data import DATA_STATE
+from treetrain.trainer.loop import Trainer
+from treetrain.trainer.run import run_training
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -220,7 +221,7 @@ def test_a_runs_reward_comes_from_the_agent_its_posts_the_reward_function_or_zer
     the timeout or a result that is no number leaves the run out of its group (no samples)."""
     from proxy_helpers import Scripted, serving
 
-    from treetrain.rl.agent import Job, group_rollouts, run_agents
+    from treetrain.trainer.agents import Job, group_rollouts, run_agents
 
     class Runner:  # stands in for trainer.reward: scores the last reply's text
         def __init__(self) -> None:
@@ -236,7 +237,7 @@ def test_a_runs_reward_comes_from_the_agent_its_posts_the_reward_function_or_zer
     with serving(Scripted(renderer, ["It is 4.", "Yes: 4."]), renderer) as server:
 
         def jobs(names: list[str]) -> list[Job]:
-            row = {"prompt": "2+2?", "session_of": lambda key: server.store.authenticate(key).id}
+            row = {"prompt": "2+2?", "session_of": lambda key: server.service.store.authenticate(key).id}
             return [Job(row={**row, "how": h}, seed=i, where=h) for i, h in enumerate(names)]
 
         runs = run_agents(
@@ -264,7 +265,11 @@ def test_a_runs_reward_comes_from_the_agent_its_posts_the_reward_function_or_zer
     assert len(rollouts.samples) == 10 and {s.episode for s in rollouts.samples} == set(range(5))
     first, second = rollouts.samples[0], rollouts.samples[1]
     assert second.tokens[: first.prompt_len] == first.tokens[: first.prompt_len]
-    assert len(first.behav_logprobs) == len(first.tokens) - first.prompt_len and first.version == 7
+    # Token-aligned as the proxy recorded it: the sampler's log-probs on the reply, 0.0 on the prompt.
+    assert len(first.logprobs) == len(first.tokens) and first.version == 7
+    assert set(first.logprobs[: first.prompt_len]) == {0.0} and all(
+        lp != 0.0 for lp in first.logprobs[first.prompt_len :]
+    )
 
 
 @pytest.mark.parametrize(
@@ -292,7 +297,7 @@ def _lockstep_rank(rank: int, port: int, out: Any) -> None:
     import torch.distributed as dist
 
     from treetrain.rl.rollout import Generation, SamplingParams
-    from treetrain.trainer.sources import Lockstep
+    from treetrain.trainer.lockstep import Lockstep
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     calls: list[tuple[list[list[int]], int, int]] = []
@@ -345,11 +350,14 @@ def test_the_lockstep_mirrors_rank_0s_generate_calls_on_the_other_ranks() -> Non
 
 def test_dynamic_sampling_replaces_an_agent_group_without_signal(tmp_path: Path, renderer: Any, _agents: Any) -> None:
     """The synchronous agent step drops a group whose runs all scored the same and plays a
-    replacement row, as the task path does (collect.fill_informative)."""
-    from proxy_helpers import Scripted
+    replacement row: the group scheduler's one policy, inline, for agents as for tasks."""
+    from proxy_helpers import Scripted, serving
 
     from treetrain.engines.builtin import load_tokenizer
-    from treetrain.trainer.sources import Sources
+    from treetrain.rl.algorithm import Algorithm
+    from treetrain.rl.scheduler import GroupScheduler
+    from treetrain.trainer.agents import AgentSource
+    from treetrain.trainer.data import RunData
 
     cfg = config(
         tmp_path,
@@ -358,15 +366,24 @@ def test_dynamic_sampling_replaces_an_agent_group_without_signal(tmp_path: Path,
         dynamicSampling=True,
     )
     lines: list[str] = []
-    sources = Sources(cfg, lambda: load_tokenizer("builtin:smollm2-135m"), lines.append)
-    sources.start(Scripted(renderer, ["4"]), world_size=1, main=True, in_pod=False, max_staleness=0)
+    t = cfg.trainer
+    data = RunData(cfg, lambda: load_tokenizer("builtin:smollm2-135m"), lines.append)
+    assert data.agent is not None and data.cursor is not None
     try:
-        rollouts = sources.play_agent_step(0)
+        with serving(Scripted(renderer, ["4"]), renderer) as server:
+            source = AgentSource(
+                data.agent, server, t, row=data.row, reward_runner=data.reward_runner, log=lines.append
+            )
+            keep = Algorithm(t, actor=None).keep  # type: ignore[arg-type]  # only the keep rule is read
+            scheduler = GroupScheduler(
+                source, task="agent", episode_timeout_s=60.0, groups_per_step=2, max_staleness=0, steps=1, keep=keep
+            )
+            rollouts = scheduler.take(0)
     finally:
-        sources.close()
-    assert rollouts.dropped_groups == 1
+        data.close()
+    assert scheduler.dropped["filtered"] == 1
     assert sorted(set(rollouts.groups)) == [1, 2] and len(rollouts.rewards) == 4
-    replacement = f"r{sources.cursor.row_index(0, 2)}"
+    replacement = f"r{data.cursor.row_index(0, 2)}"
     assert _agents.SEEN[:4] == ["r0", "r0", "r1", "r1"] and _agents.SEEN[4:] == [replacement] * 2
 
 

@@ -18,7 +18,9 @@ import pytest
 from helpers import small
 
 from treetrain import config as C
-from treetrain.trainer.loop import ROLLOUT_STATE, StepRecord, Trainer
+from treetrain.metrics import StepRecord
+from treetrain.trainer.loop import Trainer
+from treetrain.trainer.rollout import ROLLOUT_STATE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -59,7 +61,7 @@ def test_max_staleness_one_overlaps_rollout_with_training_within_the_bound(
 ) -> None:
     # Unset with servers is 1.
     trainer, records, lines = run(config(standin.url, tmp_path, staleness=None))
-    assert trainer.max_staleness == 1
+    assert trainer.rollout.max_staleness == 1
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 4 and all(STALENESS.search(line) for line in steps), steps
     found = [(int(m[1]), float(m[2])) for line in steps if (m := STALENESS.search(line))]
@@ -79,7 +81,8 @@ def test_max_staleness_one_overlaps_rollout_with_training_within_the_bound(
 
 def test_max_staleness_zero_with_servers_is_the_synchronous_loop(standin: RolloutStandin, tmp_path: Path) -> None:
     trainer, records, lines = run(config(standin.url, tmp_path, staleness=0, steps=2))
-    assert trainer.controller is None and trainer.max_staleness == 0
+    assert trainer.rollout.max_staleness == 0 and trainer.rollout.scheduler is not None
+    assert trainer.rollout.scheduler.state() is None  # the step's groups played inline: nothing between steps
     assert not any("staleness" in line for line in lines if line.startswith("step "))
     reg = trainer.metrics.registry
     assert reg.get_sample_value("treetrain_rollout_staleness_bucket", {"le": "0.0"}) == 2 * 2 * 2 * 2
@@ -123,7 +126,7 @@ def recording(
 ) -> Trainer:
     """``trainer`` noting every step it takes (step, group ids, sample tokens) into ``taken``,
     and sending itself SIGTERM (as Kubernetes does) after taking step ``sigterm_after``."""
-    take = trainer._take
+    take = trainer.rollout.take
 
     def noted(step: int) -> Any:
         rollouts = take(step)
@@ -132,7 +135,7 @@ def recording(
             signal.raise_signal(signal.SIGTERM)
         return rollouts
 
-    trainer._take = noted  # type: ignore[method-assign]
+    trainer.rollout.take = noted  # type: ignore[method-assign]
     return trainer
 
 
@@ -143,5 +146,5 @@ def test_train_step_alone_starts_the_controller(standin: RolloutStandin, tmp_pat
         first, second = trainer.train_step(0), trainer.train_step(1)
     finally:
         trainer.close()
-    assert trainer.controller is not None
+    assert trainer.rollout.scheduler is not None and trainer.rollout.scheduler.max_staleness == 1
     assert first.stats["staleness_max"] == 0 and second.stats["staleness_max"] <= 1

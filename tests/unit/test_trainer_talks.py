@@ -19,9 +19,10 @@ import yaml
 from helpers import ROOT, merge, small, subprocess_env
 
 from treetrain import config as C
-from treetrain.rl.collect import Rollouts, Sample
+from treetrain.rl.samples import Rollouts, Sample
 from treetrain.rl.progress import RolloutProgress
-from treetrain.trainer.loop import Trainer, run_training
+from treetrain.trainer.loop import Trainer
+from treetrain.trainer.run import run_training
 from treetrain.trainer.samples import pick_episodes, printed, sample_records
 from treetrain.trainer.ticker import Ticker
 
@@ -75,7 +76,7 @@ def test_the_stop_is_raised_at_a_check_and_remembered() -> None:
 def test_logged_samples_spread_over_the_groups() -> None:
     assert pick_episodes([0, 0, 1, 1, 2, 2], 4) == [0, 2, 4, 1]
     rollouts = Rollouts(
-        samples=[Sample(0, [1, 2, 3, 4], 2, [0.0, 0.0]), Sample(1, [1, 2, 5], 2, [0.0])],
+        samples=[Sample(0, [1, 2, 3, 4], 2, [0.0, 0.0, 0.0, 0.0]), Sample(1, [1, 2, 5], 2, [0.0, 0.0, 0.0])],
         rewards=[1.0, 0.0],
         groups=[0, 1],
     )

@@ -11,7 +11,7 @@ from real_vllm import VLLMServer
 
 from treetrain.engines import builtin
 from treetrain.proxy.chat import ChatRenderer
-from treetrain.proxy.server import ProxyServer
+from treetrain.proxy.server import ProxyServer, RLService
 from treetrain.rl.rollout import VLLMRollout
 
 VERSION = 3  # the weights reloaded under this version before the chat
@@ -24,13 +24,15 @@ def test_two_turn_chat_through_the_proxy_on_real_vllm(vllm: VLLMServer) -> None:
         client.update_weights(str(vllm.model), VERSION)
     renderer = ChatRenderer(builtin.load_tokenizer("builtin:smollm2-135m"))
     server = ProxyServer(
-        generate=lambda prompts, params, seed: client.generate(prompts, params, seed=seed),
-        renderer=renderer,
-        model_name="smollm2",
+        RLService(
+            generate=lambda prompts, params, seed: client.generate(prompts, params, seed=seed),
+            renderer=renderer,
+            model_name="smollm2",
+        )
     )
     server.start()
     try:
-        session = server.store.create(seed=1)
+        session = server.service.store.create(seed=1)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2+3?"}]
         usage = []
         with OpenAI(base_url=server.url + "/v1", api_key=session.api_key, max_retries=0) as sdk:
@@ -40,7 +42,7 @@ def test_two_turn_chat_through_the_proxy_on_real_vllm(vllm: VLLMServer) -> None:
                 messages.append(resp.choices[0].message.model_dump(exclude_none=True))
                 if follow_up:
                     messages.append({"role": "user", "content": follow_up})
-        records = server.store.samples(session.id)
+        records = server.service.store.samples(session.id)
         fresh = server.stats.snapshot()["fresh_renders"]
     finally:
         server.close()

@@ -109,7 +109,7 @@ def _task(spec: str, report: Report) -> None:
 def _agent(cfg: Any, report: Report) -> None:
     from treetrain.rl.agent import load_agent
     from treetrain.rl.task import TaskError
-    from treetrain.trainer.sources import check_sessions
+    from treetrain.trainer.agents import check_sessions
 
     spec = cfg.trainer.agent
     try:

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.engines import EngineConfigError, builtin
         from treetrain.proxy.chat import ChatRenderer
         from treetrain.proxy.sampler import LOCAL_BATCH_TOKENS
-        from treetrain.proxy.server import ProxyServer
+        from treetrain.proxy.server import ProxyServer, RLService
         from treetrain.proxy.sessions import ProxyLimits
         from treetrain.rl.rollout import RolloutError
     except ImportError as err:
@@ -108,9 +108,8 @@ def run(args: argparse.Namespace) -> int:
         max_session_tokens=args.max_session_tokens,
         max_batch_tokens=None if args.rollout else LOCAL_BATCH_TOKENS,
     )
-    server = ProxyServer(
-        generate=generate, renderer=ChatRenderer(tokenizer), model_name=args.model, limits=limits, request_log=_say
-    )
+    service = RLService(generate=generate, renderer=ChatRenderer(tokenizer), model_name=args.model, limits=limits)
+    server = ProxyServer(service, request_log=_say)
     try:
         port = server.start(args.host, args.port)
     except OSError as err:
@@ -133,7 +132,7 @@ def _local(model: str) -> Any:
     from transformers.utils import logging as hf_logging
 
     from treetrain.config import ModelSettings
-    from treetrain.engines.fsdp import build_model
+    from treetrain.engines.hf_model import build_model
     from treetrain.rl.rollout import LocalRollout
 
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # our own two lines say what loads; the bar is noise on stderr

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         from treetrain.engines import EngineConfigError
         from treetrain.rl.rollout import RolloutError
         from treetrain.rl.task import TaskError
-        from treetrain.trainer.loop import run_training
+        from treetrain.trainer.run import run_training
         from treetrain.tree import PackingError
     except ImportError as err:
         return _fail(f"{err}; install the training stack: pip install 'treetrain[train]'")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,6 +25,7 @@ from treetrain.alloc.precision import Precision, precision, resolve_dtype
 from treetrain.attention import resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import checkpoint_files as files
+from treetrain.engines.batch import TokenFields, TrainBatch
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.grads import dtensor_pieces, global_norm
 from treetrain.engines.parallel import ParallelLayout, init_distributed
@@ -63,39 +64,6 @@ def check_role(role: str) -> None:
 
 
 @dataclass(slots=True)
-class TrainBatch:
-    """Sequences plus per-token tensors (each ``len(seq) - 1`` long, input order).
-
-    ``loss_mask[i][t] = 1`` when token ``t + 1`` of sequence ``i`` is trained (a response
-    token). ``tensors`` holds whatever the loss reads (``advantages``, ``old_logprobs``,
-    ``behav_logprobs``, ``ref_logprobs``, ``returns``, ``old_values``...).
-    """
-
-    sequences: list[list[int]]
-    loss_mask: list[torch.Tensor]
-    tensors: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        n = len(self.sequences)
-        if len(self.loss_mask) != n:
-            raise ValueError(f"loss_mask has {len(self.loss_mask)} entries for {n} sequences")
-        for name, values in self.tensors.items():
-            if len(values) != n:
-                raise ValueError(f"tensor {name!r} has {len(values)} entries for {n} sequences")
-        for i, seq in enumerate(self.sequences):
-            if len(seq) < 2:
-                raise ValueError(f"sequence {i} has {len(seq)} token(s); a training sequence needs at least 2")
-            if self.loss_mask[i].shape != (len(seq) - 1,):
-                raise ValueError(
-                    f"loss_mask[{i}] must have shape ({len(seq) - 1},), got {tuple(self.loss_mask[i].shape)}"
-                )
-
-    def num_loss_tokens(self) -> int:
-        """Trained tokens of the whole batch (a host value: the batch lives on the host)."""
-        return int(sum(int(m.sum()) for m in self.loss_mask))
-
-
-@dataclass(slots=True)
 class MicroBatchOutput:
     """What the loss sees for one micro-batch, all ``[M]`` in layout order."""
 
@@ -114,7 +82,7 @@ class Loss(Protocol):
     needs_entropy: bool
 
     def __call__(
-        self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+        self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: TokenFields[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
@@ -381,10 +349,11 @@ class Engine(ABC):
 
         def on_run(i: int, run: MicroBatchRun) -> torch.Tensor:
             mask_M = pack_sequence_tensors(run.tree, batch.loss_mask).to(device)
-            inputs = {k: pack_sequence_tensors(run.tree, v).to(device) for k, v in batch.tensors.items()}
+            inputs = batch.fields.map(lambda v: pack_sequence_tensors(run.tree, v).to(device))
             if run.sel_M is not None:
-                mask_M = mask_M[run.sel_M]
-                inputs = {k: v[run.sel_M] for k, v in inputs.items()}
+                sel_M = run.sel_M
+                mask_M = mask_M[sel_M]
+                inputs = inputs.map(lambda v: v[sel_M])
             mb_loss, stats = loss(run.out, mask_M, inputs)
             totals.add({LOSS_STAT: mb_loss, **stats})
             # The auxiliary loss is a mean per micro-batch: weighted to count once per batch.

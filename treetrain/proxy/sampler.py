@@ -20,9 +20,9 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from treetrain.rl.episodes import Generate as Generate  # re-exported: the proxy's callers pass one
 from treetrain.rl.rollout import Generation, RolloutError, SamplingParams, ServerUnavailable
 
-Generate = Callable[[list[list[int]], SamplingParams, int], list[Generation]]  # treetrain.rl.collect.Generate
 # The token bound of a batch sampled locally: twice the default session budget (32,768 tokens).
 # Remote servers batch and bound memory themselves: no bound there.
 LOCAL_BATCH_TOKENS = 65536

@@ -183,20 +183,6 @@ class SessionStore:
             self._changed()
             return session
 
-    def create_waiting(self, *, seed: int, wait_s: float) -> Session | str:
-        """A new open session; at the ``max_sessions`` bound, wait as each refusal says (at
-        most a second a try) for up to ``wait_s``. Returns the last refusal's message when
-        the wait ran out: callers below the proxy (treetrain.rl.agent) need not know
-        :class:`Refused`."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self.create(seed=seed)
-            except Refused as err:
-                if time.monotonic() >= deadline:
-                    return err.message
-                time.sleep(min(err.retry_after_s or 0.5, 1.0))
-
     def end(self, session_id: str) -> None:
         """End a session (no more completions); its samples stay until :meth:`discard`."""
         with self._lock:

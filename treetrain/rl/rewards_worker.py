@@ -69,9 +69,9 @@ def outcome(value: Any) -> tuple[str, Any]:
 
 
 def error_line(err: BaseException) -> str:
-    from treetrain.rl.task import _first_line
+    from treetrain.rl.task import first_line
 
-    return f"{type(err).__name__}: {_first_line(err)}"
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def serve(conn: Any) -> None:

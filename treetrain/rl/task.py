@@ -269,7 +269,7 @@ def load_task(spec: str, args: dict[str, Any], get_tokenizer: Callable[[], Any] 
         raise TaskError(f"task {spec!r} rejected taskArgs {given}: {err}") from None
     except Exception as err:  # the task's own code: one line, not a traceback (exit 2)
         raise TaskError(
-            f"task {spec!r} failed to build with taskArgs {given}: {type(err).__name__}: {_first_line(err)}; "
+            f"task {spec!r} failed to build with taskArgs {given}: {type(err).__name__}: {first_line(err)}; "
             "fix: correct trainer.taskArgs or the task's code"
         ) from None
     for field in ("vocab_size", "max_new_tokens", "episode"):
@@ -287,7 +287,7 @@ def _parameters(factory: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
         return {}
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 
@@ -306,7 +306,7 @@ def _import(module_name: str) -> Any:
     except SyntaxError as err:
         problem = f"{type(err).__name__} at {err.filename}:{err.lineno}: {err.msg}"
     except Exception as err:  # the module's own code raised while it was imported
-        problem = f"{type(err).__name__}: {_first_line(err)}{_where(err)}"
+        problem = f"{type(err).__name__}: {first_line(err)}{_where(err)}"
     raise TaskError(
         f"cannot import task module {module_name!r}: {problem}; fix: correct the module "
         f"(python -c 'import {module_name}' shows the traceback)"

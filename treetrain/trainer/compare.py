@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from treetrain.engines.base import Engine, Loss, TrainBatch
+from treetrain.engines.base import Engine, Loss
+from treetrain.engines.batch import TrainBatch
 
 
 @dataclass(frozen=True, slots=True)

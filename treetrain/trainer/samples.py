@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from treetrain.rl.collect import Rollouts, Sample
+from treetrain.rl.samples import Rollouts, Sample
 
 SAMPLES_FILE = "samples.jsonl"
 PRINTED_CHARS = 240  # of the prompt's end and the completion's start, in the printed line

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from treetrain.config.schema import MetricsSettings, WandbMode
 from treetrain.engines.base import EngineConfigError
+from treetrain.metrics import StepRecord, TrainerMetrics
 from treetrain.rl.advantages import informative_groups
-from treetrain.rl.collect import Rollouts, reply_lengths
+from treetrain.rl.algorithm import Update
+from treetrain.rl.samples import Rollouts, reply_lengths
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from treetrain.trainer.loop import StepRecord
 
 STEP_LOG_FILE = "steps.jsonl"
 TRACKING_INSTALL = "pip install 'treetrain[tracking]'"
@@ -73,6 +73,72 @@ def rollout_signals(rollouts: Rollouts) -> dict[str, Any]:
     }
 
 
+def step_record(
+    step: int,
+    rollouts: Rollouts,
+    update: Update,
+    *,
+    eval_reward: float | None,
+    figures: dict[str, Any],
+    staleness_shown: bool,
+    seconds: tuple[float, float, float],
+    weight_version: int,
+) -> StepRecord:
+    """Step ``step``'s (1-based) one record: the update's figures and the loss's statistics, the
+    step's extras (capped episodes, the critic's loss, the evaluation, staleness where the step
+    line shows it), the rollout side's ``figures`` (rank 0's; none elsewhere) and ``seconds``
+    (the step, its rollout part, its training part)."""
+    stats, extra = update.stats, {}
+    if rollouts.capped_turns or rollouts.capped_tokens:
+        extra["episodes_capped_turns"] = float(rollouts.capped_turns)
+        extra["episodes_capped_tokens"] = float(rollouts.capped_tokens)
+    if update.value_loss is not None:
+        extra["value_loss"] = update.value_loss
+    staleness = figures.get("staleness")
+    if staleness_shown and staleness:
+        extra["staleness_max"] = float(max(staleness))
+        extra["staleness_mean"] = sum(staleness) / len(staleness)
+    if eval_reward is not None:
+        extra["eval_reward"] = eval_reward
+    total, rollout_s, train_s = seconds
+    return StepRecord(
+        step=step,
+        reward=rollouts.mean_reward,
+        loss=stats.loss,
+        tree_token_ratio=stats.tree_token_ratio,
+        original_tokens=stats.original_tokens,
+        tree_tokens=stats.tree_tokens,
+        padded_tokens=stats.padded_tokens,
+        seconds=total,
+        rollout_seconds=rollout_s,
+        train_seconds=train_s,
+        grad_norm=update.grad_norm,
+        stats={**stats.stats, **extra},
+        capped_turns=rollouts.capped_turns,
+        capped_tokens=rollouts.capped_tokens,
+        weight_version=weight_version,
+        **figures,
+        **rollout_signals(rollouts),
+    )
+
+
+def serve_metrics(
+    metrics: TrainerMetrics, settings: MetricsSettings, *, in_pod: bool, log: Callable[[str], None]
+) -> int | None:
+    """Rank 0's ``/metrics`` (``trainer.metrics``); the port it serves on, None when off."""
+    if not settings.enabled:
+        return None
+    addr = settings.addr or ("0.0.0.0" if in_pod else "127.0.0.1")  # Prometheus scrapes the pod IP
+    try:
+        port = metrics.serve(settings.port, addr)
+    except OSError as err:
+        # A busy port must not stop training (say, a second run on one machine): any free port.
+        port = metrics.serve(0, addr)
+        log(f"metrics: port {settings.port} unavailable ({err.strerror}); serving on port {port}")
+    log(f"metrics: http://{addr}:{port}/metrics")
+    return port
+
+
 def record_figures(rec: StepRecord) -> dict[str, float]:
     """Every figure of one step as a flat mapping (what every sink writes); a figure the step
     did not measure (KL without a reference model, eval reward off evaluation steps) is absent."""
@@ -90,7 +156,7 @@ def record_figures(rec: StepRecord) -> dict[str, float]:
         "samples": len(lengths),
         "groups": rec.groups,
         "zero_signal_groups": rec.zero_signal_groups,
-        "dropped_groups": rec.dropped_groups,
+        "dropped_groups": rec.dropped_filtered,
     }
     if lengths:
         figures["response_length_mean"] = sum(lengths) / len(lengths)
@@ -98,27 +164,6 @@ def record_figures(rec: StepRecord) -> dict[str, float]:
     for name, value in rec.stats.items():
         figures[STAT_NAMES.get(name, name)] = value
     return figures
-
-
-def health_parts(rec: StepRecord) -> str:
-    """The step line's RL health, e.g. ``ent 1.23 kl 0.00104 clip 0.02 ratio 1.00/1.31 gnorm 0.84 |
-    len 41/64 | no-signal 3/8 groups``: the policy's entropy, KL to the reference (with one),
-    clipped share, importance ratio mean/max, gradient norm; reply length mean/max in tokens; the
-    groups whose rewards were all equal. The last part is always there: a reward that stays 0
-    shows as every group without a signal."""
-    st = rec.stats
-    policy = [f"ent {st['entropy']:.3g}"] if "entropy" in st else []
-    policy += [f"kl {st['kl']:.3g}"] if "kl" in st else []
-    policy += [f"clip {st['clip_fraction']:.3g}"] if "clip_fraction" in st else []
-    policy += [f"ratio {st['ratio']:.2f}/{st['ratio_max']:.2f}"] if "ratio_max" in st else []
-    policy.append(f"gnorm {rec.grad_norm:.3g}")
-    parts = [" ".join(policy)]
-    lengths = rec.response_lengths
-    if lengths:
-        parts.append(f"len {sum(lengths) / len(lengths):.0f}/{max(lengths)}")
-    dropped = f", {rec.dropped_groups} dropped" if rec.dropped_groups else ""
-    parts.append(f"no-signal {rec.zero_signal_groups}/{rec.groups} groups{dropped}")
-    return " | ".join(parts)
 
 
 class Sink(Protocol):

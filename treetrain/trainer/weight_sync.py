@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from treetrain.config import RolloutServers
 from treetrain.engines.base import Engine, EngineConfigError
-from treetrain.rl.rollout import HTTPRollout, LocalRollout, MixedRollout, RolloutClient
+from treetrain.rl.rollout import HTTPRollout, LocalRollout, MixedRollout, RolloutClient, WeightGate
 from treetrain.rl.weight_sync import WeightSender
 from treetrain.trainer.checkpoints import Checkpoints
 
@@ -49,26 +49,30 @@ class WeightSync:
         self.log = log
         self.remote = not isinstance(client, LocalRollout)
         self.sender: WeightSender | None = None  # distributed weight sync, joined at the first sync
-        self.synced_version: int | None = None  # the weights the servers were last sent (None: the initial ones)
+        # The weight version's one owner: the client's gate; a rank without a client (remote
+        # servers, not rank 0) keeps a gate of its own that only records the version.
+        self.gate = client.gate if client is not None else WeightGate()
+
+    @property
+    def version(self) -> int:
+        """The weights the rollout side serves (0: the initial ones)."""
+        return self.gate.version
 
     def sync(self, version: int) -> None:
         """Every rank: the servers serve the actor's current weights as ``version``."""
-        if not self.remote:
-            assert self.client is not None
-            self.client.gate.set_version(version)
+        if not self.remote or self.client is None:
+            if self.remote:  # not rank 0: join the gather or the export, rank 0 pushes
+                self._push(version)
+            self.gate.set_version(version)
             return
-        self.synced_version = version
-        if self.client is None:  # not rank 0: join the gather or the export, rank 0 pushes
-            self._push(version)
-            return
-        with self.client.gate.update(version):
+        with self.gate.update(version):
             self._push(version)
 
     def resend_if_restarted(self) -> None:
         """A server that restarted since the last sync serves the weights it started with: send it
         (every server) the current version again before sampling."""
-        version = self.synced_version
-        if not self.remote or version is None:
+        version = self.gate.version
+        if not self.remote or version == 0:  # no sync yet: a restarted server holds the initial weights too
             return
         stale: list[Any] = [self.client.stale_servers(version) if self.layout.is_main and self.client else []]
         if self.layout.world_size > 1:

@@ -1,162 +1,61 @@
-"""Trainer metrics: the names docs/contracts.md fixes, in one place, and a Prometheus registry.
+"""The trainer's Prometheus registry: every metric of treetrain.metrics.names, set from a step's
+one record (:class:`~treetrain.metrics.record.StepRecord`).
 
-Dashboards (charts/, dashboards/) are built on exactly these names: change one here and
-there at once. Every value is set on logging steps only, from Python floats that the
-trainer already synced (see :meth:`TrainerMetrics.observe_step`); nothing here touches a
-tensor.
+Every value is set on logging steps only, from Python floats that the trainer already synced
+(see :meth:`TrainerMetrics.observe_step`); nothing here touches a tensor.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-TREE_TOKEN_RATIO = "treetrain_tree_token_ratio"
-TOKENS_TOTAL = "treetrain_tokens_total"
-STEP_DURATION_SECONDS = "treetrain_step_duration_seconds"
-TRAIN_TOKENS_PER_SECOND = "treetrain_train_tokens_per_second"
-STEP_TOKENS_PER_SECOND = "treetrain_step_tokens_per_second"
-STEPS_TOTAL = "treetrain_steps_total"
-ROLLOUT_LOGPROB_MISMATCH = "treetrain_rollout_logprob_mismatch"
-LOSS = "treetrain_loss"
-REWARD = "treetrain_reward"
-EPISODES_CAPPED_TOTAL = "treetrain_episodes_capped_total"
-# Asynchronous rollout (exported by every run, synchronous ones too, so every panel has data).
-ROLLOUT_STALENESS = "treetrain_rollout_staleness"
-ROLLOUT_BUFFER_GROUPS = "treetrain_rollout_buffer_groups"
-ROLLOUT_IDLE_SECONDS_TOTAL = "treetrain_rollout_idle_seconds_total"
-TRAINER_IDLE_SECONDS_TOTAL = "treetrain_trainer_idle_seconds_total"
-ROLLOUT_GROUPS_DROPPED_TOTAL = "treetrain_rollout_groups_dropped_total"
-ROLLOUT_RESUBMITTED_TOTAL = "treetrain_rollout_resubmitted_total"
-WEIGHT_VERSION = "treetrain_weight_version"
-# Agents and datasets: rank 0's OpenAI-compatible proxy, the reward function, evaluation.
-PROXY_REQUESTS_TOTAL = "treetrain_proxy_requests_total"
-PROXY_SESSIONS_OPEN = "treetrain_proxy_sessions_open"
-PROXY_FRESH_RENDERS_TOTAL = "treetrain_proxy_fresh_renders_total"
-# Served by the proxy's own GET /metrics only (`treetrain proxy`), not by the trainer's registry.
-PROXY_PROMPT_TOKENS_TOTAL = "treetrain_proxy_prompt_tokens_total"
-PROXY_COMPLETION_TOKENS_TOTAL = "treetrain_proxy_completion_tokens_total"
-PROXY_REQUEST_DURATION_SECONDS = "treetrain_proxy_request_duration_seconds"
-REWARD_FAILURES_TOTAL = "treetrain_reward_failures_total"
-EVAL_REWARD = "treetrain_eval_reward"
-# What an RL user watches per step: the policy, the update, the replies, the groups' signal.
-POLICY_ENTROPY = "treetrain_policy_entropy"
-KL = "treetrain_kl"
-CLIP_FRACTION = "treetrain_clip_fraction"
-IMPORTANCE_RATIO = "treetrain_importance_ratio"
-GRAD_NORM = "treetrain_grad_norm"
-RESPONSE_LENGTH_TOKENS = "treetrain_response_length_tokens"
-ZERO_SIGNAL_GROUPS_TOTAL = "treetrain_zero_signal_groups_total"
-
-# Label values of TOKENS_TOTAL{kind=...}: savings over a window are 1 - rate(tree) / rate(original).
-TOKEN_KINDS = ("original", "tree", "padded")
-# Label values of EPISODES_CAPPED_TOTAL{reason=...}: trainer.maxTurns, trainer.maxEpisodeTokens.
-CAP_REASONS = ("turns", "tokens")
-# Label values of ROLLOUT_GROUPS_DROPPED_TOTAL{reason=...}: dynamic sampling (all rewards equal),
-# or a generation that failed on every server.
-DROP_REASONS = ("filtered", "failed")
-# Label values of PROXY_FRESH_RENDERS_TOTAL{reason=...}: why a chat request was rendered afresh
-# instead of extending an earlier completion's tokens (treetrain.proxy.chat counts them).
-FRESH_REASONS = ("edited", "template")
-# Label values of REWARD_FAILURES_TOTAL{reason=...}: the reward function raised, or ran too long.
-REWARD_FAILURE_REASONS = ("error", "timeout")
-# Replies range from a few tokens (tiny test tasks) to tens of thousands (long reasoning).
-RESPONSE_LENGTH_BUCKETS = tuple(float(2**k) for k in range(2, 16))  # 4 ... 32768
-# Staleness of a trained sample, in steps: 0 in synchronous runs, at most maxStaleness otherwise.
-STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0)
-# Step times range from well under a second (tiny CPU runs) to minutes (large models).
-STEP_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
-DEFAULT_PORT = 9400
-
-# Every metric name a scrape shows (counters get ``_total`` and ``_created``, histograms their series).
-NAMES = (
-    TREE_TOKEN_RATIO,
-    TOKENS_TOTAL,
-    STEP_DURATION_SECONDS,
-    TRAIN_TOKENS_PER_SECOND,
-    STEP_TOKENS_PER_SECOND,
-    ROLLOUT_LOGPROB_MISMATCH,
-    STEPS_TOTAL,
-    LOSS,
-    REWARD,
+from treetrain.metrics.names import (
+    CAP_REASONS,
+    CLIP_FRACTION,
+    DEFAULT_PORT,
+    DROP_REASONS,
     EPISODES_CAPPED_TOTAL,
-    ROLLOUT_STALENESS,
-    ROLLOUT_BUFFER_GROUPS,
-    ROLLOUT_IDLE_SECONDS_TOTAL,
-    TRAINER_IDLE_SECONDS_TOTAL,
-    ROLLOUT_GROUPS_DROPPED_TOTAL,
-    ROLLOUT_RESUBMITTED_TOTAL,
-    WEIGHT_VERSION,
+    EVAL_REWARD,
+    FRESH_REASONS,
+    GRAD_NORM,
+    IMPORTANCE_RATIO,
+    KL,
+    LOSS,
+    POLICY_ENTROPY,
+    PROXY_FRESH_RENDERS_TOTAL,
     PROXY_REQUESTS_TOTAL,
     PROXY_SESSIONS_OPEN,
-    PROXY_FRESH_RENDERS_TOTAL,
-    REWARD_FAILURES_TOTAL,
-    EVAL_REWARD,
-    POLICY_ENTROPY,
-    KL,
-    CLIP_FRACTION,
-    IMPORTANCE_RATIO,
-    GRAD_NORM,
+    RESPONSE_LENGTH_BUCKETS,
     RESPONSE_LENGTH_TOKENS,
+    REWARD,
+    REWARD_FAILURE_REASONS,
+    REWARD_FAILURES_TOTAL,
+    ROLLOUT_BUFFER_GROUPS,
+    ROLLOUT_GROUPS_DROPPED_TOTAL,
+    ROLLOUT_IDLE_SECONDS_TOTAL,
+    ROLLOUT_LOGPROB_MISMATCH,
+    ROLLOUT_RESUBMITTED_TOTAL,
+    ROLLOUT_STALENESS,
+    STALENESS_BUCKETS,
+    STEP_BUCKETS,
+    STEP_DURATION_SECONDS,
+    STEP_TOKENS_PER_SECOND,
+    STEPS_TOTAL,
+    TOKEN_KINDS,
+    TOKENS_TOTAL,
+    TRAIN_TOKENS_PER_SECOND,
+    TRAINER_IDLE_SECONDS_TOTAL,
+    TREE_TOKEN_RATIO,
+    WEIGHT_VERSION,
     ZERO_SIGNAL_GROUPS_TOTAL,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class StepFigures:
-    """What one training step reports, as host floats."""
-
-    tree_token_ratio: float
-    original_tokens: int
-    tree_tokens: int
-    padded_tokens: int
-    seconds: float  # the whole step: rollout, training, weight sync
-    train_seconds: float  # the training part only
-    loss: float
-    reward: float
-    # |rollout engine's log-prob - trainer's recomputed log-prob| over the response tokens;
-    # None when the batch carried no sampler log-probs.
-    mismatch_mean: float | None = None
-    mismatch_max: float | None = None
-    # Episodes the step's rollouts ended at trainer.maxTurns / before trainer.maxEpisodeTokens.
-    capped_turns: int = 0
-    capped_tokens: int = 0
-    # Rollout: per trained sample, the step less the weight version its trajectory started from;
-    # the rest are what happened since the previous step (counters) or now (gauges).
-    staleness: tuple[int, ...] = ()
-    buffer_groups: int = 0
-    rollout_idle_seconds: float = 0.0
-    trainer_idle_seconds: float = 0.0
-    dropped_filtered: int = 0
-    dropped_failed: int = 0
-    resubmitted: int = 0
-    weight_version: int = 0
-    # The policy and its update, per response token of the step (None: not measured this step;
-    # kl needs a reference model). The ratio is the importance ratio policy / proximal policy.
-    entropy: float | None = None
-    kl: float | None = None
-    clip_fraction: float | None = None
-    ratio_mean: float | None = None
-    ratio_max: float | None = None
-    grad_norm: float | None = None
-    # Per trained sample: its reply's tokens; and the step's groups whose rewards were all equal.
-    response_lengths: tuple[int, ...] = ()
-    zero_signal_groups: int = 0
-
-    # Both count original (unpacked) tokens: what the step trained, however well it packed.
-    @property
-    def train_tokens_per_second(self) -> float:
-        return self.original_tokens / self.train_seconds if self.train_seconds > 0 else 0.0
-
-    @property
-    def step_tokens_per_second(self) -> float:
-        return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
+from treetrain.metrics.record import StepRecord
 
 
 class OptionalGauge(Collector):
@@ -324,7 +223,7 @@ class TrainerMetrics:
         self._seen: dict[tuple[str, str], float] = {}  # cumulative counts last exported (observe_agents)
         self._server: Any = None
 
-    def observe_step(self, fig: StepFigures) -> None:
+    def observe_step(self, fig: StepRecord) -> None:
         self.tree_token_ratio.set(fig.tree_token_ratio)
         self.tokens.labels(kind="original").inc(fig.original_tokens)
         self.tokens.labels(kind="tree").inc(fig.tree_tokens)
