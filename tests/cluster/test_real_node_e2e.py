@@ -220,9 +220,10 @@ def test_rljob_end_to_end_on_a_real_node(real_cluster: Cluster, tmp_path: Path) 
               "scrape_configs": [{"job_name": "trainer", "static_configs": [
                   {"targets": [f"{first.status.pod_ip}:9400"], "labels": {"pod": first.metadata.name}}]}]}  # fmt: skip
     with prometheus_process(prometheus_binary(), workdir, scrape) as prom:
+        # The gauge reads 0 until the first step is done.
         series = wait_for(
-            "Prometheus has the trainer pod's treetrain_tree_token_ratio",
-            lambda: Prometheus.query(prom, "treetrain_tree_token_ratio") or None,
+            "Prometheus has the trainer pod's treetrain_tree_token_ratio of a trained step",
+            lambda: Prometheus.query(prom, "treetrain_tree_token_ratio > 0") or None,
             timeout=600,
         )
         assert series[0]["metric"]["pod"] == first.metadata.name and 0 < float(series[0]["value"][1]) <= 1
