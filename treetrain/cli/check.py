@@ -92,15 +92,14 @@ def _task(spec: str, report: Report) -> None:
     if spec.startswith("builtin:"):  # the config check knows the built-in ones
         report.lines.append(f"task: {spec}")
         return
-    from treetrain.rl.task import TaskError, _import
+    from treetrain.rl.user_code import TaskError, import_spec
 
-    module_name, _, attr = spec.partition(":")
     try:
-        module = _import(module_name)
+        module_name, attr, found = import_spec(spec, "task", TaskError, f"{spec!r} must be package.module:function")
     except TaskError as err:
         report.problems.append(f"trainer.task: {err}")
         return
-    if not callable(getattr(module, attr, None)):
+    if not callable(found):
         report.problems.append(f"trainer.task: module {module_name!r} has no callable {attr!r}; fix: trainer.task")
         return
     report.lines.append(f"task: {spec} (imported; built when training starts)")

@@ -337,16 +337,14 @@ class SessionStore:
         """End the sessions idle past the timeout (the least recently used come first), and the
         clients' sessions that started no completion within ``unused_timeout_s`` (oldest first)."""
         now = self._clock()
-        deadline = now - self.limits.idle_timeout_s
-        while self._open:
-            session = next(iter(self._open.values()))
-            if session.last_used > deadline:
-                break
-            self._end(session)
-        unused_deadline = now - self.limits.unused_timeout_s
-        while self._unused:
-            session = next(iter(self._unused.values()))
-            if session.created > unused_deadline:
+        self._end_oldest(self._open, lambda s: s.last_used <= now - self.limits.idle_timeout_s)
+        self._end_oldest(self._unused, lambda s: s.created <= now - self.limits.unused_timeout_s)
+
+    def _end_oldest(self, queue: OrderedDict[str, Session], expired: Callable[[Session], bool]) -> None:
+        """End the sessions at the front of ``queue`` (oldest first) while they are ``expired``."""
+        while queue:
+            session = next(iter(queue.values()))
+            if not expired(session):
                 break
             self._end(session)
 

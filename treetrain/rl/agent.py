@@ -9,7 +9,7 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from treetrain.rl.task import TaskError, _import
+from treetrain.rl.user_code import TaskError, import_spec
 
 Agent = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
@@ -20,14 +20,8 @@ class AgentError(TaskError):
 
 def load_agent(spec: str) -> Agent:
     """``package.module:function``, an ``async def`` taking ``(client, row)``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise AgentError(f"trainer.agent {spec!r} must be package.module:function (an async def run(client, row))")
-    try:
-        module = _import(module_name)
-    except TaskError as err:
-        raise AgentError(str(err).replace("task module", "agent module", 1)) from None
-    fn = getattr(module, attr, None)
+    malformed = f"trainer.agent {spec!r} must be package.module:function (an async def run(client, row))"
+    module_name, attr, fn = import_spec(spec, "agent", AgentError, malformed)
     if fn is None:
         raise AgentError(f"trainer.agent: module {module_name!r} has no {attr!r}; fix: name an async def in it")
     if not inspect.iscoroutinefunction(fn):

@@ -26,7 +26,7 @@ from treetrain.metrics import REWARD_FAILURE_REASONS as FAILURE_REASONS
 from treetrain.rl.rewards_math import MathAnswerError, math_verdict
 from treetrain.rl.rewards_pool import PoolError, RewardPool, RewardTimeout
 from treetrain.rl.rewards_worker import Recipe
-from treetrain.rl.task import TaskError, _import
+from treetrain.rl.user_code import import_spec
 
 GSM8K_MARK = "####"
 
@@ -117,14 +117,8 @@ def load_reward(spec: str, args: dict[str, Any]) -> RewardFn:
         return AnswerReward(spec, regex_reward(compiled), args=dict(args))
     if spec.startswith("builtin:"):
         raise RewardError(f"unknown built-in reward {spec!r}; built-in: builtin:math, builtin:exact, builtin:regex")
-    module_name, sep, attr = spec.partition(":")
-    if not (sep and module_name and attr):
-        raise RewardError(f"reward {spec!r} must be builtin:NAME or package.module:function")
-    try:
-        module = _import(module_name)
-    except TaskError as err:
-        raise RewardError(str(err).replace("task module", "reward module", 1)) from None
-    fn = getattr(module, attr, None)
+    malformed = f"reward {spec!r} must be builtin:NAME or package.module:function"
+    module_name, attr, fn = import_spec(spec, "reward", RewardError, malformed)
     if not callable(fn):
         raise RewardError(f"reward module {module_name!r} has no callable {attr!r}; fix: trainer.reward")
     return ImportedReward(spec, fn, dict(args))

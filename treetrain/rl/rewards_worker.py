@@ -69,7 +69,7 @@ def outcome(value: Any) -> tuple[str, Any]:
 
 
 def error_line(err: BaseException) -> str:
-    from treetrain.rl.task import first_line
+    from treetrain.rl.user_code import first_line
 
     return f"{type(err).__name__}: {first_line(err)}"
 

@@ -33,7 +33,7 @@ from treetrain.rl.limits import TaskClock
 from treetrain.rl.progress import RolloutProgress, RolloutStopped
 from treetrain.rl.rewards import RewardRunner
 from treetrain.rl.samples import Rollouts, Sample, merge_rollouts, seed_of
-from treetrain.rl.task import TaskError, first_line
+from treetrain.rl.user_code import TaskError, first_line
 
 Log = Callable[[str], None]
 
