@@ -63,16 +63,16 @@ def shared_prompt(n_prompt: int, each: int, count: int, vocab: int, seed: int) -
 
 
 def train_batch(seqs: list[list[int]], n_prompt: int) -> Any:
-    from treetrain.engines.base import TrainBatch
+    from treetrain.engines.batch import TokenFields, TrainBatch
 
     masks = [(torch.arange(len(s) - 1) >= n_prompt - 1).float() for s in seqs]
     return TrainBatch(
         sequences=seqs,
         loss_mask=masks,
-        tensors={
-            "advantages": [torch.full((len(s) - 1,), 1.0 if i % 2 else -1.0) for i, s in enumerate(seqs)],
-            "old_logprobs": [torch.full((len(s) - 1,), -10.0) for s in seqs],
-        },
+        fields=TokenFields(
+            advantages=[torch.full((len(s) - 1,), 1.0 if i % 2 else -1.0) for i, s in enumerate(seqs)],
+            old_logprobs=[torch.full((len(s) - 1,), -10.0) for s in seqs],
+        ),
     )
 
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from treetrain.engines.fsdp import build_model
+from treetrain.engines.hf_model import build_model
 from treetrain.engines.source import ModelSource
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import Task, load_task

@@ -78,14 +78,13 @@ class MegatronAsHF(torch.nn.Module):
         from treetrain.config.backends import check_training_backend
         from treetrain.engines.megatron import convert, init_megatron
         from treetrain.engines.megatron.model import TreeGPT
-        from treetrain.engines.megatron.parallel import ranks, sizes
 
         super().__init__()
         self.config = hf.config
-        init_megatron(check_training_backend("megatron:d1"))
+        layout = init_megatron(check_training_backend("megatron:d1"))
         self.net = TreeGPT(hf.config, role="actor", recompute=False, seed=0)
         read = convert.StateDictReader(hf.state_dict())
-        shape = convert.shape_of(hf.config, sizes(), ranks())
+        shape = convert.shape_of(hf.config, layout)
         with torch.no_grad():
             for name, p in self.net.gpt.named_parameters():
                 p.copy_(convert.load_tensor(name, 0, read, shape, tied=bool(hf.config.tie_word_embeddings)))

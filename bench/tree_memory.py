@@ -149,7 +149,7 @@ def _pipeline_rank(rank: int, port: int, model_dir: str, micro: int, tokens: int
 
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
     from treetrain.engines import build_engine
-    from treetrain.engines.base import TrainBatch
+    from treetrain.engines.batch import TokenFields, TrainBatch
     from treetrain.engines.megatron.parallel import reset_megatron
     from treetrain.rl.losses import PPOLoss
 
@@ -161,7 +161,7 @@ def _pipeline_rank(rank: int, port: int, model_dir: str, micro: int, tokens: int
     train = TrainBatch(
         sequences=seqs,
         loss_mask=[torch.ones(k) for k in n],
-        tensors={"advantages": [torch.ones(k) for k in n], "old_logprobs": [torch.full((k,), -8.0) for k in n]},
+        fields=TokenFields(advantages=[torch.ones(k) for k in n], old_logprobs=[torch.full((k,), -8.0) for k in n]),
     )
     tree = TreeTrainingSettings(max_tokens_per_mb=-(-tokens // 128) * 128, block_size=128, attention="sparse")
     for engine_name in ("archon", "megatron"):

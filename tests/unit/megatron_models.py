@@ -76,7 +76,7 @@ def branching_sequences(seed: int = 0, vocab: int = 500, block: int = 16) -> lis
 
 
 def make_batch(seqs: list[list[int]], seed: int = 0) -> Any:
-    from treetrain.engines.base import TrainBatch
+    from treetrain.engines.batch import TokenFields, TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     masks, adv, old, rets = [], [], [], []
@@ -89,7 +89,7 @@ def make_batch(seqs: list[list[int]], seed: int = 0) -> Any:
         old.append(-6.2 + 0.1 * torch.randn(n, generator=g))
         rets.append(torch.rand(n, generator=g))
     return TrainBatch(
-        sequences=seqs, loss_mask=masks, tensors={"advantages": adv, "old_logprobs": old, "returns": rets}
+        sequences=seqs, loss_mask=masks, fields=TokenFields(advantages=adv, old_logprobs=old, returns=rets)
     )
 
 
@@ -98,7 +98,7 @@ def reference(path: Path, batch: Any, loss: Any) -> tuple[float, dict[str, torch
     gradients and the per-sequence log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from treetrain.engines.base import MicroBatchOutput
+    from treetrain.engines.contract import MicroBatchOutput
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     logps: list[torch.Tensor] = []
@@ -144,7 +144,7 @@ def critic_reference(
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from treetrain.engines.base import MicroBatchOutput
+    from treetrain.engines.contract import MicroBatchOutput
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     w, b = (head[k].detach().clone().requires_grad_(True) for k in ("weight", "bias"))

@@ -17,7 +17,7 @@ from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, Tre
 from treetrain.engines import EngineConfigError, build_engine
 from treetrain.engines.archon import ArchonEngine, mesh_shapes
 from treetrain.engines.archon.model import ModelArgs
-from treetrain.engines.base import TrainBatch
+from treetrain.engines.batch import TokenFields, TrainBatch
 from treetrain.engines.grads import grad_norm
 from treetrain.rl.losses import PPOLoss, ValueLoss
 
@@ -30,11 +30,11 @@ def _batch(seqs: list[list[int]], seed: int = 0) -> TrainBatch:
     return TrainBatch(
         sequences=seqs,
         loss_mask=[(torch.rand(k, generator=g) > 0.2).float() for k in n],
-        tensors={
-            "advantages": [torch.randn(k, generator=g) for k in n],
-            "old_logprobs": [torch.full((k,), -4.8) for k in n],
-            "returns": [torch.rand(k, generator=g) for k in n],
-        },
+        fields=TokenFields(
+            advantages=[torch.randn(k, generator=g) for k in n],
+            old_logprobs=[torch.full((k,), -4.8) for k in n],
+            returns=[torch.rand(k, generator=g) for k in n],
+        ),
     )
 
 

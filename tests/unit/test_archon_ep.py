@@ -113,8 +113,8 @@ def test_expert_strings_pass_validation_and_bad_sizes_are_refused() -> None:
     from treetrain.alloc import parse
     from treetrain.config.backends import check_training_backend
     from treetrain.engines import EngineConfigError
+    from treetrain.engines.archon.experts import check_ep
     from treetrain.engines.archon.model import ModelArgs
-    from treetrain.engines.archon.parallelize import check_ep
 
     for backend in ("archon:d2e2", "archon:(attn:d2|ffn:e2)", "archon:(attn:d4|ffn:e2t2)"):
         dims = check_training_backend(backend).dims

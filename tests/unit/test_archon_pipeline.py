@@ -133,9 +133,7 @@ def test_pipeline_refusals(backend: str, fields: dict[str, Any], match: str) -> 
     from treetrain.engines.archon.layout import ArchonLayout
 
     allocation = parse(backend)
-    layout = ArchonLayout(
-        allocation=allocation, world_size=allocation.world_size, rank=0, device=torch.device("cpu"), mesh=None
-    )
+    layout = ArchonLayout(allocation=allocation, world_size=allocation.world_size, rank=0, device=torch.device("cpu"))
     with pytest.raises(EngineConfigError, match=match):
         _check_layout(_args(family="qwen3_moe" if "n_experts" in fields else "llama", **fields), layout)
 
@@ -156,14 +154,14 @@ def test_padding_a_tree_keeps_its_tokens_and_masks_the_rest() -> None:
 
 def _batches() -> list[Any]:
     """Two steps whose trees differ in size (the second keeps a few shorter sequences)."""
-    from treetrain.engines.base import TrainBatch
+    from treetrain.engines.batch import TrainBatch
 
     full = make_batch(vocab=128)
     keep = [0, 3, 9]
     small = TrainBatch(
         sequences=[full.sequences[i] for i in keep],
         loss_mask=[full.loss_mask[i] for i in keep],
-        tensors={k: [v[i] for i in keep] for k, v in full.tensors.items()},
+        fields=full.fields.map(lambda v: [v[i] for i in keep]),
     )
     return [full, small]
 

@@ -16,7 +16,7 @@ import torch
 
 from treetrain.config import ModelSettings
 from treetrain.engines import EngineConfigError, builtin
-from treetrain.engines.fsdp import build_model
+from treetrain.engines.hf_model import build_model
 from treetrain.engines.source import ModelSource
 from treetrain.rl.rollout import LocalRollout, SamplingParams
 from treetrain.rl.task import ArithmeticTask, TaskError, load_task

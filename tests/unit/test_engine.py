@@ -13,7 +13,7 @@ import torch
 import treetrain
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import EngineConfigError, build_engine
-from treetrain.engines.base import TrainBatch
+from treetrain.engines.batch import TokenFields, TrainBatch
 from treetrain.engines.fsdp import FSDPEngine
 from treetrain.engines.grads import grad_norm
 from treetrain.engines.source import ModelSource
@@ -38,10 +38,10 @@ def _batch(seqs: list[list[int]]) -> TrainBatch:
     return TrainBatch(
         sequences=seqs,
         loss_mask=[torch.ones(k) for k in n],
-        tensors={
-            "advantages": [torch.randn(k, generator=g) for k in n],
-            "old_logprobs": [torch.full((k,), -6.0) for k in n],
-        },
+        fields=TokenFields(
+            advantages=[torch.randn(k, generator=g) for k in n],
+            old_logprobs=[torch.full((k,), -6.0) for k in n],
+        ),
     )
 
 

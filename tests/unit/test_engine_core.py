@@ -7,7 +7,6 @@ gradient norm, one safetensors reader) keep their contracts."""
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,9 @@ from tree_helpers import one_tree, tiny_model
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines import EngineConfigError, build_engine
 from treetrain.engines import checkpoint_files as files
-from treetrain.engines.base import Engine, MicroBatchOutput, TrainBatch
+from treetrain.engines.base import Engine
+from treetrain.engines.batch import TokenFields, TrainBatch
+from treetrain.engines.contract import MicroBatchOutput
 from treetrain.engines.errors import CheckpointUnreadableError
 from treetrain.engines.grads import global_norm, grad_norm
 from treetrain.engines.source import SafetensorsFiles
@@ -56,7 +57,7 @@ def _batch(seed: int) -> TrainBatch:
     return TrainBatch(
         sequences=SEQS,
         loss_mask=[(torch.rand(k, generator=g) > 0.2).float() for k in n],
-        tensors={"probe": [1.0 + torch.rand(k, generator=g) for k in n]},
+        fields=TokenFields(advantages=[1.0 + torch.rand(k, generator=g) for k in n]),  # the probe
     )
 
 
@@ -66,10 +67,10 @@ class ProbeLoss:
     needs_entropy = False
 
     def __call__(
-        self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+        self, out: MicroBatchOutput, loss_mask: torch.Tensor, inputs: TokenFields[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert out.logprobs is not None
-        probe = inputs["probe"] * loss_mask  # > 0 where trained, 0 elsewhere
+        probe = inputs.need("advantages") * loss_mask  # > 0 where trained, 0 elsewhere
         return -(out.logprobs * loss_mask).sum(), {"probe": probe.sum(), "probe_max": probe.max()}
 
 
@@ -85,7 +86,7 @@ def test_max_stats_are_maxima_and_every_rng_state_is_restored(
     batch = _batch(0)
     stats = engine.forward_backward(batch, ProbeLoss())
     assert stats.micro_batches >= 2
-    masked = [p * m for p, m in zip(batch.tensors["probe"], batch.loss_mask, strict=True)]
+    masked = [p * m for p, m in zip(batch.fields.need("advantages"), batch.loss_mask, strict=True)]
     want_max = max(float(p.max()) for p in masked)
     want_mean = sum(float(p.sum()) for p in masked) / batch.num_loss_tokens()
     assert stats.stats["probe_max"] == pytest.approx(want_max, rel=1e-6)
@@ -214,7 +215,7 @@ def _max_stats_on_two_ranks() -> None:
     from treetrain.engines.megatron.parallel import reset_megatron
 
     batch = _batch(0)
-    masked = [p * m for p, m in zip(batch.tensors["probe"], batch.loss_mask, strict=True)]
+    masked = [p * m for p, m in zip(batch.fields.need("advantages"), batch.loss_mask, strict=True)]
     want_max = max(float(p.max()) for p in masked)
     want_mean = sum(float(p.sum()) for p in masked) / batch.num_loss_tokens()
     for backend in ("megatron:d2", "megatron:p2", "archon:p2", "fsdp:d2"):
@@ -233,14 +234,14 @@ def test_max_stats_are_the_batch_maxima_on_every_rank() -> None:
 
 @pytest.mark.parametrize("engine", ["fsdp", "megatron", "archon"])
 def test_build_engine_refuses_what_the_engine_table_says(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """build_engine reads ENGINE_LETTERS, the table config validation and admission read, for
-    a string and for the Allocation the trainer passes: a letter the row does not run is
-    refused with its reason; one it runs gets as far as joining (one process, so the world
-    size of 2 is what stops it)."""
-    from treetrain.alloc import ENGINE_LETTERS, AllocationError, parse
+    """build_engine reads the engine's description in the registry, which config validation and
+    admission read, for a string and for the Allocation the trainer passes: a letter the
+    engine does not run is refused with its reason; one it runs gets as far as joining (one
+    process, so the world size of 2 is what stops it)."""
+    from treetrain.alloc import AllocationError, parse, spec_of
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    row = ENGINE_LETTERS[engine]
+    row = spec_of(engine).letters
     for letter in "tpce":
         spec = f"{engine}:d2{letter}2" if letter == "e" else f"{engine}:{letter}2"
         if letter not in row.accepted:

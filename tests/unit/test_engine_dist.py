@@ -25,8 +25,8 @@ TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 def reference(role: str, batch: Any, loss: Any) -> tuple[float, dict[str, torch.Tensor]]:
     """Each sequence alone through the unsharded model (plain sdpa), one global mean."""
     from treetrain.config import ModelSettings
-    from treetrain.engines.base import MicroBatchOutput
-    from treetrain.engines.fsdp import build_model
+    from treetrain.engines.contract import MicroBatchOutput
+    from treetrain.engines.hf_model import build_model
 
     model = build_model(ModelSettings(**MODEL), role)
 
@@ -70,8 +70,8 @@ def _check_grad_norm(engine: Any, backend: str) -> None:
     local shards in place."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from treetrain.engines.base import scale_grads
     from treetrain.engines.grads import grad_norm
+    from treetrain.engines.optim import scale_grads
 
     full = engine.full_grads()
     want = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in full.values()])).float()

@@ -56,7 +56,7 @@ def _check(family: str, backend: str, recompute: bool, root: Path) -> None:
     model = ModelSettings(path=str(path), gradient_checkpointing=recompute)
     tree = TreeTrainingSettings(**TREE)
     engine = build_engine(model, backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
-    assert engine.model.config.sequence_parallel == (engine.sizes["tp"] > 1), where
+    assert engine.model.config.sequence_parallel == (engine.layout.tp > 1), where
     ref_loss, ref_grads, ref_logps = reference(path, batch, loss)
     ref_grads = per_expert(ref_grads)
     ref_norm = float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in ref_grads.values()])))

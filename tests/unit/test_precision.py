@@ -22,7 +22,7 @@ from megatron_models import branching_sequences, make_batch, save_model
 from treetrain.alloc import parse
 from treetrain.alloc.precision import precision, resolve_dtype
 from treetrain.config import ModelSettings
-from treetrain.engines.base import MicroBatchOutput
+from treetrain.engines.contract import MicroBatchOutput
 
 STEPS = 10
 LR = 1e-5

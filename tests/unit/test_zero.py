@@ -37,7 +37,7 @@ def _sharded_vs_torch() -> None:
     """The pure collective check, on the default group of the spawned ranks."""
     import torch.distributed as dist
 
-    from treetrain.engines.base import scale_grads
+    from treetrain.engines.optim import scale_grads
     from treetrain.engines.zero import Bucket, ShardedAdamW, state_bytes
 
     if not dist.is_initialized():

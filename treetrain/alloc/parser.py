@@ -8,12 +8,11 @@ strings into the per-engine ``backend`` fields an RLJob takes.
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass
 from importlib import resources
 
 from lark import Lark, Token, Tree
-from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark.exceptions import LarkError, UnexpectedInput
 
 from treetrain.alloc.errors import (
     AllocationError,
@@ -35,8 +34,8 @@ from treetrain.alloc.model import (
     server_letters,
 )
 from treetrain.alloc.registry import default_training, either, hybrid_names, names, running, spec_of
+from treetrain.alloc.syntax import server, syntax_error
 
-_DIMS_RE = re.compile(r"(?:[a-z][0-9]+)+")
 ALL_LETTERS = "".join(LETTER_FIELD)  # what any training backend's string may hold before Allocation decides
 
 
@@ -105,12 +104,12 @@ def _parse_engines(spec: str) -> list[_Engine]:
         )
     if not spec.strip():
         raise AllocationSyntaxError(
-            "the backend string is empty", fix=f"write backend:dims, e.g. {default_training()}:d8 or {_server()}:d2t4"
+            "the backend string is empty", fix=f"write backend:dims, e.g. {default_training()}:d8 or {server()}:d2t4"
         ).located(spec, 1)
     try:
         tree = _lark().parse(spec)
     except UnexpectedInput as exc:
-        raise _syntax_error(spec, exc) from None
+        raise syntax_error(spec, exc) from None
     except LarkError as exc:  # pragma: no cover - defensive: any other parser failure
         raise AllocationSyntaxError(str(exc), fix=f"write backend:dims, e.g. {default_training()}:d8").located(
             spec, None
@@ -340,71 +339,5 @@ def _legacy_error(spec: str, engines: list[_Engine]) -> LegacySpecError:
     return LegacySpecError(problem, fix=fix, fields=fields).located(spec, column)
 
 
-# ---------------------------------------------------------------------------
-# Syntax errors
-
-
-def _server() -> str:
-    """A rollout server's name for examples."""
-    return names("inference")[0]
-
-
 def _col(tok: Token) -> int:
     return (tok.start_pos or 0) + 1
-
-
-def _syntax_error(spec: str, exc: UnexpectedInput) -> AllocationSyntaxError:
-    at_end = isinstance(exc, UnexpectedToken) and exc.token.type == "$END"
-    pos = len(spec) if at_end or exc.pos_in_stream is None else exc.pos_in_stream
-    pos = min(max(pos, 0), len(spec))
-    problem, fix = _explain(spec, pos, exc)
-    return AllocationSyntaxError(problem, fix=fix).located(spec, pos + 1)
-
-
-def _explain(spec: str, pos: int, exc: UnexpectedInput) -> tuple[str, str]:
-    before, char = spec[:pos], spec[pos : pos + 1]
-    head = before.strip()
-    example = f"e.g. {default_training()}:d4t2 or {_server()}:d2t4"
-    backend = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)", spec)
-    name = backend.group(1) if backend else ""
-    after_colon = spec.split(":", 1)[1].lstrip() if ":" in spec else ""
-
-    if char == ":" and not head:
-        rest = spec[pos + 1 :].strip()
-        trainers = either(f"{b}:{rest}" for b in names("training")[:2])
-        return "backend missing before ':'", f"write {trainers} ({'/'.join(names('inference'))} for rollout)"
-    if char == "." and head in names():
-        rest = spec[pos + 1 :].strip()
-        return "unexpected '.'", f"use ':' between backend and dims, e.g. {head}:{rest or 'd4'}"
-    if spec.count("(") > spec.count(")") and not char:
-        return "unbalanced parentheses: '(' is never closed", "add ')' at the end of the hybrid layout"
-    if char == ")" and spec[:pos].count("(") == spec[:pos].count(")"):
-        return "unbalanced parentheses: ')' without a matching '('", "wrap the hybrid layout as (attn:...|ffn:...)"
-    if after_colon.startswith(("attn", "ffn")) and ":" in spec and not after_colon.startswith("("):
-        return (
-            "the hybrid MoE layout must be in parentheses",
-            f"write {name}:({after_colon.rstrip(')')})",
-        )
-    if not char:
-        if head.endswith(":"):
-            return "no dimensions after ':'", f"add dimensions, e.g. {head}d4"
-        if head in names():
-            return f"{head} has no dimensions", f"write {head}:d4 (backend, ':', dims)"
-        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", head):
-            return f"{head!r} is not a backend string", f"write backend:dims with a backend of {', '.join(names())}"
-        if head.endswith(("+", "|")):
-            return f"nothing after {head[-1]!r}", f"write one engine per backend field, {example}"
-        return "the backend string ends too early", f"write backend:dims, {example}"
-    if char.isspace():
-        char = spec[pos:].lstrip()[:1]
-    if head in names() and _DIMS_RE.fullmatch(spec[pos:].strip()):
-        return f"missing ':' after {head}", f"write {head}:{spec[pos:].strip()}"
-    if char.isalpha() and char.isupper() and ":" in before:
-        word = re.match(r"\s*([A-Za-z][0-9]*)", spec[pos:])
-        written = word.group(1) if word else char
-        return f"dimension letters are lower-case, got {written!r}", f"write {written.lower()}"
-    if char.isdigit() and ":" in before:
-        return f"a size without a dimension letter at {char!r}", "write a letter before each size, e.g. d4t2"
-    if isinstance(exc, UnexpectedCharacters) and not (char.isalnum() or char in ":+|()[]_"):
-        return f"unexpected character {char!r}", f"backend strings use letters, digits and ':', {example}"
-    return f"unexpected {char!r}", f"write backend:dims, {example}"

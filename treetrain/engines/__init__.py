@@ -9,19 +9,38 @@ from typing import TYPE_CHECKING, Any
 from treetrain.engines.errors import EngineConfigError
 
 if TYPE_CHECKING:
-    from treetrain.engines.base import Engine, Loss, MicroBatchOutput, StepStats, TrainBatch
+    from treetrain.engines.base import Engine
+    from treetrain.engines.batch import TokenFields, TrainBatch
+    from treetrain.engines.contract import Loss, MicroBatchOutput
     from treetrain.engines.factory import build_engine
+    from treetrain.engines.hf_model import build_model
+    from treetrain.engines.layout import Layout
+    from treetrain.engines.stats import StepStats
 
 _LAZY = {
     "Engine": "treetrain.engines.base",
-    "Loss": "treetrain.engines.base",
-    "MicroBatchOutput": "treetrain.engines.base",
-    "StepStats": "treetrain.engines.base",
-    "TrainBatch": "treetrain.engines.base",
+    "Layout": "treetrain.engines.layout",
+    "Loss": "treetrain.engines.contract",
+    "MicroBatchOutput": "treetrain.engines.contract",
+    "StepStats": "treetrain.engines.stats",
+    "TokenFields": "treetrain.engines.batch",
+    "TrainBatch": "treetrain.engines.batch",
     "build_engine": "treetrain.engines.factory",
+    "build_model": "treetrain.engines.hf_model",
 }
 
-__all__ = ["Engine", "EngineConfigError", "Loss", "MicroBatchOutput", "StepStats", "TrainBatch", "build_engine"]
+__all__ = [
+    "Engine",
+    "EngineConfigError",
+    "Layout",
+    "Loss",
+    "MicroBatchOutput",
+    "StepStats",
+    "TokenFields",
+    "TrainBatch",
+    "build_engine",
+    "build_model",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,8 @@ from treetrain.config.backends import check_engine_support
 from treetrain.config.errors import EngineConfigError
 from treetrain.config.schema import DType
 from treetrain.engines import builtin, weights
-from treetrain.engines.base import Engine, check_role
+from treetrain.engines.base import Engine
+from treetrain.engines.contract import check_role
 
 
 def build_engine(

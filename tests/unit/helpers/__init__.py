@@ -103,7 +103,7 @@ def save_hf_model(path: Path, model_type: str, *, seed: int | None = None, **fie
 
 def make_batch(seed: int = 0, vocab: int = 500) -> Any:
     """Agent-shaped sequences: a shared system prompt, branching turns, uneven lengths."""
-    from treetrain.engines.base import TrainBatch
+    from treetrain.engines.batch import TokenFields, TrainBatch
 
     rng = random.Random(seed)
     system = [rng.randrange(8, vocab) for _ in range(20)]
@@ -124,8 +124,8 @@ def make_batch(seed: int = 0, vocab: int = 500) -> Any:
         adv.append(torch.full((n,), float(torch.randn((), generator=g))))
         old.append(-6.2 + 0.1 * torch.randn(n, generator=g))
         rets.append(torch.rand(n, generator=g))
-    tensors = {"advantages": adv, "old_logprobs": old, "returns": rets}
-    return TrainBatch(sequences=seqs, loss_mask=masks, tensors=tensors)
+    fields = TokenFields(advantages=adv, old_logprobs=old, returns=rets)
+    return TrainBatch(sequences=seqs, loss_mask=masks, fields=fields)
 
 
 def backward_alone(batch: Any, loss: Any, output: Callable[[list[int]], Any]) -> float:
@@ -136,7 +136,7 @@ def backward_alone(batch: Any, loss: Any, output: Callable[[list[int]], Any]) ->
     value = 0.0
     for i, seq in enumerate(batch.sequences):
         out = output(seq)
-        inputs = {k: v[i] for k, v in batch.tensors.items()}
+        inputs = batch.fields.map(lambda v, i=i: v[i])
         mb_loss, _ = loss(out, batch.loss_mask[i], inputs)
         (mb_loss / total).backward()
         value += float(mb_loss.detach()) / total

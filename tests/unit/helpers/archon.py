@@ -95,8 +95,8 @@ def hf_logprobs(model_dir: str | Path, seqs: list[list[int]]) -> list[torch.Tens
 
 def hf_reference(model_dir: str, role: str, batch: Any, loss: Any) -> tuple[float, torch.Tensor]:
     """Each sequence alone through the Hugging Face model: the loss and the gradient norm."""
-    from treetrain.engines.base import MicroBatchOutput
-    from treetrain.engines.fsdp import build_model
+    from treetrain.engines.contract import MicroBatchOutput
+    from treetrain.engines.hf_model import build_model
 
     model = build_model(model_dir, role)
 

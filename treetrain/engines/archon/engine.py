@@ -25,13 +25,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta
+from treetrain.engines.archon.experts import check_ep
 from treetrain.engines.archon.layout import ArchonLayout, init_layout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
-from treetrain.engines.archon.parallelize import check_ep, check_tp, parallelize
+from treetrain.engines.archon.parallelize import check_tp, parallelize
 from treetrain.engines.archon.pipeline import StageShapes, exchange_tied_grad, keep_stage, run_schedule, stage_layers
-from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun, OnRun
+from treetrain.engines.base import Engine
+from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.grads import dtensor_pieces
 from treetrain.engines.source import SafetensorsFiles
@@ -69,22 +71,14 @@ class ArchonEngine(Engine):
         self.args = ModelArgs.from_hf(self.source.config)
         _check_layout(self.args, self.layout)
 
-    @property
-    def first_stage(self) -> bool:
-        return self.layout.pp_rank == 0
-
-    @property
-    def last_stage(self) -> bool:
-        return self.layout.pp_rank == self.layout.pp - 1
-
     def _split_tie(self) -> torch.Tensor | None:
         """This stage's copy of a tied embedding / head split over two stages (None: not split)."""
         if self.layout.pp == 1 or not self.args.tie_embeddings or self.role == "critic":
             return None
         m = self._transformer()
-        if self.first_stage and m.tok_embeddings is not None:
+        if self.layout.first_stage and m.tok_embeddings is not None:
             return m.tok_embeddings.weight
-        if self.last_stage and m.output is not None:
+        if self.layout.last_stage and m.output is not None:
             return m.output.weight
         return None
 
@@ -102,7 +96,7 @@ class ArchonEngine(Engine):
                 split = stage_layers(
                     args, layout.pp, tokens=self.tree.max_tokens_per_mb, value_head=self.role == "critic"
                 )
-                keep_stage(model, split[layout.pp_rank], first=self.first_stage, last=self.last_stage)
+                keep_stage(model, split[layout.pp_rank], first=layout.first_stage, last=layout.last_stage)
             # Tied on one stage; across stages the two copies get summed gradients instead.
             if args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
                 model.output.weight = model.tok_embeddings.weight
@@ -129,7 +123,7 @@ class ArchonEngine(Engine):
         else:
             # A random built-in model: transformers' own initialisation from the seed, so the
             # FSDP and Archon engines start from the same weights.
-            from treetrain.engines.fsdp.model import build_model
+            from treetrain.engines.hf_model import build_model
 
             hf = build_model(self.source, "actor", dtype=torch.float32).state_dict()
             state = from_hf_state(names, hf, n_experts=args.n_experts, tie_embeddings=args.tie_embeddings)
@@ -224,24 +218,6 @@ class ArchonEngine(Engine):
         return self.model
 
     # -- the core's hooks ------------------------------------------------------------------
-    def _averaged_over(self) -> int:
-        return self.layout.dp * self.layout.cp  # FSDP averages over the data and context ranks
-
-    def _stat_group(self) -> dist.ProcessGroup | None:
-        """Ranks whose loss parts add up to the batch's: data and context ranks."""
-        if self.layout.mesh is None or self.layout.dp * self.layout.cp == 1:
-            return None
-        return self.layout.mesh["dp_cp"].get_group()
-
-    def _last_stage(self) -> bool:
-        return self.last_stage
-
-    def _pp_group(self) -> dist.ProcessGroup | None:
-        return self.layout.group("pp") if self.layout.pp > 1 else None
-
-    def _cp_group(self) -> dist.ProcessGroup | None:
-        return self.layout.group("cp") if self.layout.cp > 1 else None
-
     def _after_backward(self) -> None:
         tied = self._split_tie()
         if tied is not None:  # both stages' copies get the summed gradient
@@ -252,7 +228,7 @@ class ArchonEngine(Engine):
         """The parameters the gradient norm counts: all, but a tied head split over two stages
         once (the last stage's copy holds the same summed gradient as the first's)."""
         tied = self._split_tie()
-        skip = tied if tied is not None and not self.first_stage else None
+        skip = tied if tied is not None and not self.layout.first_stage else None
         return [p for p in self.model.parameters() if p is not skip]
 
     def _grad_pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
@@ -279,7 +255,7 @@ class ArchonEngine(Engine):
         if self.layout.pp == 1:
             return mine
         every: list[Any] = [None] * self.layout.pp
-        dist.all_gather_object(every, mine, group=self.layout.group("pp"))
+        dist.all_gather_object(every, mine, group=self.layout.group_of("pp"))
         merged: dict[str, torch.Tensor] = {}
         for part in every:
             merged.update(part)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from treetrain.alloc import Allocation
-from treetrain.engines.parallel import ParallelLayout, join
+from treetrain.engines.layout import Dim, Layout, join
 
 MESH_DIMS = ("pp", "dp_cp", "tp")
 GRID_DIMS = ("pp", "dp", "cp", "tp")
@@ -38,43 +38,25 @@ def mesh_shapes(allocation: Allocation) -> dict[str, tuple[int, ...]]:
 
 
 @dataclass(frozen=True, slots=True)
-class ArchonLayout(ParallelLayout):
-    """This process's place in the ``(pp, dp, cp, tp)`` grid; ``mesh`` is the parameter mesh."""
+class ArchonLayout(Layout):
+    """This process's place in the ``(pp, dp, cp, tp)`` grid, implementing the engines' layout
+    protocol: ``dp_cp`` is the parameter mesh's dimension, ``ep``, ``etp`` and ``edp`` the
+    expert mesh's, the rest the grid's."""
 
+    mesh: DeviceMesh | None = None  # (pp, dp_cp, tp): what parameters live on
     grid: DeviceMesh | None = None
     experts: DeviceMesh | None = None  # only when experts are sharded (e or ffn t > 1)
 
-    @property
-    def ep(self) -> int:
-        return self.allocation.dims.ep
+    def _mesh_of(self, dim: Dim) -> DeviceMesh:
+        mesh = self.mesh if dim == "dp_cp" else self.experts if dim in ("edp", "ep", "etp") else self.grid
+        assert mesh is not None, f"no mesh holds {dim}"
+        return mesh[dim]
 
-    @property
-    def etp(self) -> int:
-        return self.allocation.dims.etp
+    def _rank_in(self, dim: Dim) -> int:
+        return self._mesh_of(dim).get_local_rank()
 
-    def _local(self, dim: str) -> int:
-        return self.grid[dim].get_local_rank() if self.grid is not None else 0
-
-    @property
-    def dp_rank(self) -> int:
-        return self._local("dp")
-
-    @property
-    def cp_rank(self) -> int:
-        return self._local("cp")
-
-    @property
-    def pp_rank(self) -> int:
-        return self._local("pp")
-
-    @property
-    def tp_rank(self) -> int:
-        return self._local("tp")
-
-    def group(self, dim: str) -> dist.ProcessGroup:
-        """The process group of one grid dimension (``dp``, ``cp``, ``pp``, ``tp``)."""
-        assert self.grid is not None
-        return self.grid[dim].get_group()
+    def _group(self, dim: Dim) -> dist.ProcessGroup:
+        return self._mesh_of(dim).get_group()
 
 
 _LAYOUTS: dict[Allocation, tuple[object, ArchonLayout]] = {}

@@ -133,7 +133,7 @@ def run_schedule(
     out_shape = shapes.output if last else shapes.hidden
     example_out = torch.zeros(out_shape, dtype=shapes.dtype, device=device, requires_grad=True)
     stage = PipelineStage(
-        model, stage_id, stages, device, input_args=example_in, output_args=example_out, group=layout.group("pp")
+        model, stage_id, stages, device, input_args=example_in, output_args=example_out, group=layout.group_of("pp")
     )
 
     def loss_fn(out: torch.Tensor, index: int) -> torch.Tensor:
@@ -159,7 +159,7 @@ def exchange_tied_grad(param: torch.Tensor, layout: ArchonLayout) -> None:
     """Sum the tied embedding / head gradient between the first and last stage (the same
     weight, used at both ends): each sends its local piece and adds the other's (the pieces
     line up: both stages shard it alike over the same data x context and tensor ranks)."""
-    group = layout.group("pp")
+    group = layout.group_of("pp")
     peer = dist.get_global_rank(group, layout.pp - 1 if layout.pp_rank == 0 else 0)
     grad = param.grad
     if grad is None:  # no micro-batch ran: a zero gradient

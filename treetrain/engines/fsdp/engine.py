@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +21,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from treetrain.attention import TreeAttentionMeta, tree_forward
-from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun
+from treetrain.engines.base import Engine
+from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.fsdp.layout import FSDPLayout, init_layout
 from treetrain.engines.fsdp.model import build_parallel
 from treetrain.engines.precision import torch_dtype
 from treetrain.logprob import TreeTensors, gather_logprobs
@@ -33,6 +34,9 @@ from treetrain.tree import PackedTree
 class FSDPEngine(Engine):
     """Actor (log-probs), critic (values) or reference (log-probs, frozen) on a Hugging Face
     model. ``optimizer=None``: forward only (the parameters do not require grad)."""
+
+    layout: FSDPLayout
+    init_layout = staticmethod(init_layout)
 
     def _build(self) -> None:
         self.model: nn.Module = build_parallel(self.source, self.role, self.layout, self.precision)
@@ -60,12 +64,6 @@ class FSDPEngine(Engine):
             out = MicroBatchOutput(logprobs=logp_M, entropy=ent_M)
             anchor = logits_NV[:1, :1].sum() * 0.0
         return MicroBatchRun(tree=tree, out=out, anchor=anchor)
-
-    def _averaged_over(self) -> int:
-        return self.layout.dp  # FSDP averages gradients over the data-parallel ranks
-
-    def _stat_group(self) -> Any:
-        return self.layout.mesh["dp"].get_group() if self.layout.dp > 1 and self.layout.mesh is not None else None
 
     # -- Hugging Face weights --------------------------------------------------------------
     def export_hf(self, path: Path) -> None:

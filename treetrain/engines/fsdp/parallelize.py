@@ -19,11 +19,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from treetrain.alloc.precision import Precision
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.parallel import ParallelLayout, one_rank_mesh
+from treetrain.engines.fsdp.layout import FSDPLayout
+from treetrain.engines.layout import one_rank_mesh
 from treetrain.engines.precision import mixed_precision
 
 
-def data_mesh(layout: ParallelLayout) -> DeviceMesh:
+def data_mesh(layout: FSDPLayout) -> DeviceMesh:
     """The data-parallel mesh FSDP2 wraps the model over (one rank: a one-rank mesh)."""
     return layout.mesh["dp"] if layout.mesh is not None else one_rank_mesh(layout.device, "dp")
 
@@ -35,7 +36,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise EngineConfigError(f"{type(model).__name__} has no decoder `layers` list; the FSDP engine cannot shard it")
 
 
-def parallelize(model: nn.Module, layout: ParallelLayout, prec: Precision) -> nn.Module:
+def parallelize(model: nn.Module, layout: FSDPLayout, prec: Precision) -> nn.Module:
     """Apply the parallel strategy in place, in this order:
 
     1. Tensor parallel (``t > 1``): shard attention and MLP projections with DTensor. It goes

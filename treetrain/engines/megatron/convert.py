@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.layout import Layout
 
 # (hf name, dim, index, parts): read part ``index`` of ``parts`` equal pieces along ``dim``.
 Read = Callable[[str, int, int, int], torch.Tensor]
@@ -208,19 +209,20 @@ def assemble(pieces: list[Piece]) -> dict[str, torch.Tensor]:
     return out
 
 
-def shape_of(hf: Any, sizes: dict[str, int], ranks: dict[str, int]) -> Shape:
-    from treetrain.engines.megatron.model import head_dim
+def shape_of(hf: Any, layout: Layout) -> Shape:
+    """This rank's slice of the model: the tensor and expert sizes and ranks of ``layout``."""
+    from treetrain.engines.megatron.config import head_dim
 
     return Shape(
         heads=hf.num_attention_heads,
         groups=hf.num_key_value_heads,
         head_dim=head_dim(hf),
         hidden=hf.hidden_size,
-        tp=sizes["tp"],
-        tp_rank=ranks["tp"],
-        ep=sizes["ep"],
-        ep_rank=ranks["ep"],
-        etp=sizes["etp"],
-        etp_rank=ranks["etp"],
+        tp=layout.tp,
+        tp_rank=layout.tp_rank,
+        ep=layout.ep,
+        ep_rank=layout.rank_in("ep"),
+        etp=layout.etp,
+        etp_rank=layout.rank_in("etp"),
         experts=int(getattr(hf, "num_experts", 0) or 0),
     )

@@ -29,14 +29,15 @@ import torch.distributed as dist
 from treetrain.attention import TreeAttentionMeta
 from treetrain.config import OptimizerSettings
 from treetrain.engines import checkpoint_files as files
-from treetrain.engines.base import Engine, MicroBatchOutput, MicroBatchRun, OnRun
+from treetrain.engines.base import Engine
+from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.fsdp.model import build_model
+from treetrain.engines.hf_model import build_model
 from treetrain.engines.megatron import convert
 from treetrain.engines.megatron.grads import GradPlan, build_optimizer, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
-from treetrain.engines.megatron.parallel import groups, init_megatron, ranks, sizes
+from treetrain.engines.megatron.parallel import MegatronLayout, init_megatron
 from treetrain.engines.megatron.schedule import run_schedule
 from treetrain.engines.precision import torch_dtype
 from treetrain.engines.source import SafetensorsFiles
@@ -62,6 +63,7 @@ class _Chunk:
 class MegatronEngine(Engine):
     """Actor (log-probs), critic (values) or reference (frozen) on megatron-core."""
 
+    layout: MegatronLayout
     init_layout = staticmethod(init_megatron)
     model: TreeGPT
 
@@ -75,7 +77,7 @@ class MegatronEngine(Engine):
             te=layout.device.type == "cuda" and transformer_engine_available(),
         )
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
-        self.shape = convert.shape_of(hf, self.sizes, self.ranks)
+        self.shape = convert.shape_of(hf, layout)
         self._load_weights()
         if self.precision.params != "float32":
             # The precision rule (treetrain/alloc/precision.py): bf16 weights and gradients
@@ -88,9 +90,6 @@ class MegatronEngine(Engine):
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
         self.autocast = torch_dtype(self.precision.compute) if self.precision.compute != "float32" else None
-
-    def _prepare(self) -> None:
-        self.sizes, self.ranks, self.groups = sizes(), ranks(), groups()
 
     # -- weights ----------------------------------------------------------------------------
     def _layer_offset(self) -> int:
@@ -122,19 +121,20 @@ class MegatronEngine(Engine):
         """This data-parallel rank's trees. Under expert parallel, tokens of the same
         micro-batch of every data-parallel rank meet in the expert layers (the allgather
         dispatcher needs equal sizes): each micro-batch is padded to its largest over the ranks."""
-        mine = packed.rank_trees(self.ranks["dp"])
-        if self.sizes["ep"] * self.sizes["etp"] == 1:
+        layout = self.layout
+        mine = packed.rank_trees(layout.dp_rank)
+        if layout.ep * layout.etp == 1:
             return mine
-        every = [packed.rank_trees(r) for r in range(self.sizes["dp"])]
+        every = [packed.rank_trees(r) for r in range(layout.dp)]
         return [pad_tree(t, max(trees[i].padded_len for trees in every)) for i, t in enumerate(mine)]
 
     def _chunk(self, tree: PackedTree) -> _Chunk:
         device = self.layout.device
         t = TreeTensors.from_tree(tree, device)
         meta = TreeAttentionMeta.from_tree(tree, backend=self.attention, block_size=self.block_size, device=device)
-        cp, n = self.sizes["cp"], tree.padded_len
+        cp, n = self.layout.cp, tree.padded_len
         rows = n // cp
-        r0 = self.ranks["cp"] * rows
+        r0 = self.layout.cp_rank * rows
         sel_M = (t.pred_M >= r0) & (t.pred_M < r0 + rows)
         return _Chunk(
             tree=tree,
@@ -174,8 +174,8 @@ class MegatronEngine(Engine):
             out,
             chunk.pred_m,
             chunk.label_m,
-            vocab_start=self.ranks["tp"] * vocab,
-            group=self.groups["tp"] if self.sizes["tp"] > 1 else None,
+            vocab_start=self.layout.tp_rank * vocab,
+            group=self.layout.group("tp"),
             with_entropy=entropy,
         )
         return MicroBatchRun(chunk.tree, MicroBatchOutput(logprobs=logp, entropy=ent), anchor, chunk.sel_M)
@@ -184,7 +184,7 @@ class MegatronEngine(Engine):
     def _p2p_shape(self, chunk: _Chunk) -> tuple[int, int, int]:
         """Hidden states between stages: this context rank's rows, split over the tensor
         ranks by sequence parallel."""
-        rows = chunk.tree.padded_len // (self.sizes["cp"] * self.sizes["tp"])
+        rows = chunk.tree.padded_len // (self.layout.cp * self.layout.tp)
         return (rows, 1, self.hidden_size)
 
     def _schedule(self, trees: Sequence[PackedTree], on_run: OnRun, *, entropy: bool, train: bool) -> None:
@@ -200,7 +200,7 @@ class MegatronEngine(Engine):
             lambda i, hidden: self._stage(chunks[i], hidden),
             [self._p2p_shape(c) for c in chunks],
             on_output,
-            stages=self.sizes["pp"],
+            stages=self.layout.pp,
             first=self.first,
             last=self.last,
             device=self.layout.device,
@@ -209,28 +209,12 @@ class MegatronEngine(Engine):
         )
 
     # -- the core's hooks ------------------------------------------------------------------
-    def _last_stage(self) -> bool:
-        return bool(self.last)
-
-    def _stat_group(self) -> Any:
-        return self.groups["dp_cp"] if self.sizes["dp"] * self.sizes["cp"] > 1 else None
-
-    def _pp_group(self) -> Any:
-        return self.groups["pp"] if self.sizes["pp"] > 1 else None
-
-    def _cp_group(self) -> Any:
-        return self.groups["cp"]
-
-    def _owns_outputs(self) -> bool:
-        """One copy of each output: the last stage's first tensor and context rank."""
-        return bool(self.last) and self.ranks["tp"] == 0 and self.ranks["cp"] == 0
-
     def _after_backward(self) -> None:
         self._finalize_grads()
 
     # -- gradients and the optimizer ---------------------------------------------------------
     def _grad_plan(self) -> GradPlan:
-        return GradPlan(self.sizes, self.groups, tied=self.tied, world_size=self.layout.world_size)
+        return GradPlan(self.layout, tied=self.tied)
 
     def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
         """AdamW sharded over the data ranks (ZeRO-1, :func:`.grads.build_optimizer`)."""
@@ -291,7 +275,7 @@ class MegatronEngine(Engine):
     def _pieces(self, *, grads: bool = False) -> list[convert.Piece]:
         """This rank's Hugging Face pieces of the weights (one copy over data x context ranks)."""
         offset = self._layer_offset()
-        dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
+        dense = self.layout.dp_rank == 0 and self.layout.cp_rank == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
             if dense or is_expert(name):
@@ -335,7 +319,7 @@ class MegatronEngine(Engine):
         if isinstance(self.optimizer, ShardedAdamW):  # each rank holds only its summed shard
             self.optimizer.gather_grads()
         offset = self._layer_offset()
-        dense = self.ranks["dp"] == 0 and self.ranks["cp"] == 0
+        dense = self.layout.dp_rank == 0 and self.layout.cp_rank == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
             if p.grad is not None and (dense or is_expert(name)):

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from treetrain.config import OptimizerSettings
-from treetrain.engines.base import adamw
 from treetrain.engines.grads import global_norm
+from treetrain.engines.layout import Layout
 from treetrain.engines.megatron import convert
+from treetrain.engines.optim import adamw
 from treetrain.engines.zero import Bucket, ShardedAdamW
 
 TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -27,26 +28,25 @@ TIED = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 @dataclass(frozen=True, slots=True)
 class GradPlan:
-    """Megatron's grid as the gradient code reads it (``megatron.parallel`` sizes and groups)."""
+    """Megatron's grid as the gradient code reads it: the layout's sizes and Megatron's own
+    groups (which exist at one rank too: the optimizer's buckets take them)."""
 
-    sizes: dict[str, int]
-    groups: dict[str, Any]
+    layout: Layout
     tied: bool  # a tied embedding / head (actor or ref)
-    world_size: int
 
     def split_tie(self, name: str) -> bool:
         """Whether ``name`` is one copy of a tied embedding / head split over two stages."""
-        return self.sizes["pp"] > 1 and self.tied and name in TIED
+        return self.layout.pp > 1 and self.tied and name in TIED
 
     def copies(self, name: str) -> int:
         """How many ranks hold this same parameter (and, after :func:`finalize_grads`, the
         same gradient)."""
-        s = self.sizes
+        s = self.layout
         if is_expert(name):
-            return self.world_size // (s["pp"] * s["ep"] * s["etp"])
-        copies = self.world_size // s["pp"]
+            return s.world_size // (s.pp * s.ep * s.etp)
+        copies = s.world_size // s.pp
         if convert.tp_split(name):
-            copies //= s["tp"]
+            copies //= s.tp
         if self.split_tie(name):
             copies *= 2
         return copies
@@ -88,10 +88,11 @@ def finalize_grads(
     if sharded is not None:
         sharded.attach_grads()
     g = grad_groups(named, plan)
-    data = [] if sharded is not None else [("dp_cp", plan.groups["dp_cp"]), ("edp", plan.groups["edp"])]
+    own = plan.layout.group_of
+    data = [] if sharded is not None else [("dp_cp", own("dp_cp")), ("edp", own("edp"))]
     steps = [
         *data,
-        ("tp", plan.groups["tp"]),
+        ("tp", own("tp")),
         ("tied", ps.get_embedding_group() if g["tied"] else None),
     ]
     for key, group in steps:
@@ -112,14 +113,15 @@ def build_optimizer(
     the weights are 16-bit (its fp32 master weights), else ``torch.optim.AdamW``. ``named``: every parameter of ``model`` by Megatron name."""
     dense = [(n, p) for n, p in named if not is_expert(n)]
     experts = [(n, p) for n, p in named if is_expert(n)]
-    wide = [g for g, part in ((plan.groups["dp_cp"], dense), (plan.groups["edp"], experts)) if part]
+    own = plan.layout.group_of
+    wide = [g for g, part in ((own("dp_cp"), dense), (own("edp"), experts)) if part]
     low_precision = any(p.dtype != torch.float32 for _, p in named)  # needs fp32 master weights
     if settings is None or (all(dist.get_world_size(g) == 1 for g in wide) and not low_precision):
         return adamw(model, settings)
     if {id(p) for p in model.parameters()} != {id(p) for _, p in named}:
         raise ValueError("the sharded optimizer needs every parameter of the model by name")
     return ShardedAdamW(
-        [Bucket(dense, plan.groups["dp_cp"]), Bucket(experts, plan.groups["edp"])],
+        [Bucket(dense, own("dp_cp")), Bucket(experts, own("edp"))],
         lr=settings.lr,
         betas=(settings.betas[0], settings.betas[1]),
         eps=settings.eps,

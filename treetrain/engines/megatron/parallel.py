@@ -9,6 +9,7 @@ with another megatron string in the same processes is refused (same string: shar
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,18 +17,46 @@ import torch.distributed as dist
 
 from treetrain.alloc import Allocation
 from treetrain.engines.errors import EngineConfigError
-from treetrain.engines.parallel import ParallelLayout, join, one_process_group
+from treetrain.engines.layout import Dim, Layout, join, one_process_group
 
 
 @dataclass(frozen=True, slots=True)
-class MegatronLayout(ParallelLayout):
-    """This process's place in Megatron's grid; ``mesh`` is None (groups live in parallel_state)."""
+class MegatronLayout(Layout):
+    """This process's place in Megatron's grid, implementing the engines' layout protocol over
+    megatron-core's ``parallel_state`` (process-global: :func:`init_megatron` builds it once).
+    Its groups exist at every size (a one-rank context group at ``c1``); :meth:`group` answers
+    None there like every layout, :meth:`group_of` gives Megatron's own (its optimizer's
+    buckets and the gradient sums take them)."""
 
-    @property
-    def dp_rank(self) -> int:
+    def _rank_in(self, dim: Dim) -> int:
         from megatron.core import parallel_state as ps
 
-        return int(ps.get_data_parallel_rank())
+        rank: Callable[[], int] = {
+            "tp": ps.get_tensor_model_parallel_rank,
+            "pp": ps.get_pipeline_model_parallel_rank,
+            "cp": ps.get_context_parallel_rank,
+            "dp": ps.get_data_parallel_rank,
+            "dp_cp": lambda: ps.get_data_parallel_rank(with_context_parallel=True),
+            "ep": ps.get_expert_model_parallel_rank,
+            "etp": ps.get_expert_tensor_parallel_rank,
+            "edp": ps.get_expert_data_parallel_rank,
+        }[dim]
+        return int(rank())
+
+    def _group(self, dim: Dim) -> dist.ProcessGroup:
+        from megatron.core import parallel_state as ps
+
+        group: Callable[[], dist.ProcessGroup] = {
+            "tp": ps.get_tensor_model_parallel_group,
+            "pp": ps.get_pipeline_model_parallel_group,
+            "cp": ps.get_context_parallel_group,
+            "dp": ps.get_data_parallel_group,
+            "dp_cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+            "ep": ps.get_expert_model_parallel_group,
+            "etp": ps.get_expert_tensor_parallel_group,
+            "edp": ps.get_expert_data_parallel_group,
+        }[dim]
+        return group()
 
 
 def megatron_sizes(allocation: Allocation) -> dict[str, int]:
@@ -69,7 +98,7 @@ def init_megatron(allocation: Allocation, *, timeout_s: float = 1800.0) -> Megat
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     else:
         cpu_adapter()
-    layout = MegatronLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device, mesh=None)
+    layout = MegatronLayout(allocation=allocation, world_size=world, rank=dist.get_rank(), device=device)
     _CURRENT.update(group=dist.group.WORLD, allocation=allocation, layout=layout)
     return layout
 
@@ -95,46 +124,6 @@ def cpu_adapter() -> None:
     megatron_random.CudaRNGStatesTracker.fork = lambda self, name="": contextlib.nullcontext()
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-def groups() -> dict[str, Any]:
-    """The process groups the engine uses, by role."""
-    from megatron.core import parallel_state as ps
-
-    return {
-        "tp": ps.get_tensor_model_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(),
-        "cp": ps.get_context_parallel_group(),
-        "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
-        "edp": ps.get_expert_data_parallel_group(),
-    }
-
-
-def ranks() -> dict[str, int]:
-    """This process's rank in each dimension (tests check the mapping with it)."""
-    from megatron.core import parallel_state as ps
-
-    return {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-        "ep": ps.get_expert_model_parallel_rank(),
-        "etp": ps.get_expert_tensor_parallel_rank(),
-    }
-
-
-def sizes() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
-
-    return {
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-        "ep": ps.get_expert_model_parallel_world_size(),
-        "etp": ps.get_expert_tensor_parallel_world_size(),
-    }
 
 
 def reset_megatron() -> None:
