@@ -59,9 +59,11 @@ vllm-venv:
 images:
 	tests/images/build >/dev/null
 
-# The real test node's binaries: kubelet (same Kubernetes module graph and flags as cluster-bin) and
-# the pause program, in a cache of their own; tests/cluster/up --real-node runs them.
+# The real test node: Debian's containerd, runc, CNI plugins and iproute2 (apt-get, as root, when
+# missing; no service is started), and its binaries: kubelet (same Kubernetes module graph and flags
+# as cluster-bin) and the pause program, in a cache of their own; tests/cluster/up --real-node runs them.
 node-bin:
+	tests/images/host-packages node
 	tests/cluster/build --node >/dev/null
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.

@@ -212,7 +212,9 @@ def _hadolint() -> str:
     return found
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "trainer-image/Dockerfile"])
+@pytest.mark.parametrize(
+    "dockerfile", ["Dockerfile", "trainer-image/Dockerfile", "tests/images/rollout-standin/Dockerfile"]
+)
 def test_hadolint(dockerfile: str) -> None:
     done = subprocess.run(
         [_hadolint(), "--no-color", str(ROOT / dockerfile)], capture_output=True, text=True, timeout=60
