@@ -6,7 +6,9 @@ Machine-wide, so one at a time per machine (the owner is recorded in RUN/owner.j
 - the bridge ``ttnode0`` with 198.18.0.1/24 (the benchmarking range, on no network here; pods get
   no default route, so nothing they send leaves the machine); the node's InternalIP is 198.18.0.1;
 - containerd's state and socket under RUN, the kubelet's root under VAR, containerd's images under
-  the cache (they outlive the cluster: importing the 7 GB trainer image takes minutes);
+  the cache (they outlive the cluster: the first import of the 7 GB trainer image takes minutes,
+  later ones send only the layers that changed; only the unpacked layers are kept, about 7 GB:
+  tests/images/node_load.py);
 - two helper processes (node_services.py): cluster DNS for pods on 198.18.0.1:53, and a relay of
   198.18.0.1:<apiserver port> to the API server on 127.0.0.1 (the operator pod's way in).
 """
@@ -39,9 +41,10 @@ CNI_BIN = Path("/usr/lib/cni")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "treetrain" / "node"
 SOCK = RUN / "containerd.sock"
 PROCS = ("kubelet", "node-dns", "node-api-relay", "containerd")
-# What the node's pods may cost: the trainer image (7 GB) twice in containerd (layers + unpacked)
-# plus headroom; checked up front, before anything starts.
-FREE_GIB_COLD = 20
+# What the first import may cost: `docker save` of the trainer image into Docker's temporary
+# folder (7 GB) while containerd writes its layers (7 GB) and unpacks them (7 GB, kept; the other
+# two go once it is done). Checked up front, before anything starts.
+FREE_GIB_COLD = 22
 
 
 def preflight(images_loaded: bool) -> None:
@@ -60,8 +63,9 @@ def preflight(images_loaded: bool) -> None:
         missing.append(f"{', '.join(tools)} (run tests/images/host-packages node)")
     CACHE.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(CACHE).free / 2**30
-    # Once the images were imported, a new key shares all but its last layers with them.
-    need = 3 if images_loaded else FREE_GIB_COLD
+    # Once the images were imported, a new key shares all but its last layers with them; `docker
+    # save` still writes the whole image to a temporary folder first.
+    need = 9 if images_loaded else FREE_GIB_COLD
     if free < need:
         missing.append(f"disk: {free:.1f} GiB free under {CACHE}, the node's images need {need} GiB")
     if missing:
