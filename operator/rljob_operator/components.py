@@ -10,6 +10,7 @@ from rljob_operator.errors import FieldError
 from rljob_operator.models import RESERVED_ENGINE_NAMES, ComponentStatus
 from rljob_operator.spec_reader import Engines
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
+from treetrain.alloc.registry import prefixes
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def build_components(engines: Engines) -> tuple[dict[str, Component], list[Field
             errors.append(FieldError(path, str(err)))
             return
         if allocation.kind != kind:
-            want = "sglang:... or vllm:..." if kind == "inference" else "fsdp:..., megatron:... or archon:..."
+            want = prefixes("inference" if kind == "inference" else "training")
             errors.append(FieldError(path, f"{backend!r} is a {allocation.kind} backend; {role} needs {want}"))
             return
         try:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from treetrain.alloc.registry import names, prefixes
 from treetrain.config.schema import (
     DEFAULT_WEIGHT_SYNC_PORT,
     MAX_BACKEND,
@@ -40,6 +41,12 @@ Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True)
+
+
+def _or_backticks(kind: Literal["training", "inference"]) -> str:
+    """```sglang:...` or `vllm:...```: the registry's backends of ``kind`` as a description writes them."""
+    quoted = [f"`{name}:...`" for name in names(kind)]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -154,10 +161,18 @@ class Images(_Model):
 
 
 class RolloutEngine(_Model):
-    """One inference engine: `backend` is `sglang:...` or `vllm:...`; `d` = server instances."""
+    """One inference engine: `backend` is a rollout server's string; `d` = server instances."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "description": f"One inference engine: `backend` is {_or_backticks('inference')}; `d` = server instances."
+        }
+    )
 
     backend: str = Field(
-        min_length=1, max_length=MAX_BACKEND, description="Backend string, e.g. sglang:d2t4 (2 servers x 4 GPUs)."
+        min_length=1,
+        max_length=MAX_BACKEND,
+        description=f"Backend string, e.g. {names('inference')[0]}:d2t4 (2 servers x 4 GPUs).",
     )
     server_args: list[str] = Field(
         default_factory=list, description="Extra command-line flags for the server, appended as given."
@@ -174,6 +189,8 @@ RESERVED_ENGINE_NAMES = ("config", "rollout", "trainer", "critic", "ref")
 
 
 class NamedRolloutEngine(RolloutEngine):
+    model_config = ConfigDict(json_schema_extra={})  # the schema keeps no description here, as before
+
     name: str = Field(
         pattern=r"^[a-z0-9]{1,20}$",
         description="Engine name: lower-case letters and digits, at most 20, not one of "
@@ -184,9 +201,7 @@ class NamedRolloutEngine(RolloutEngine):
 class Actor(_Model):
     """The policy being trained: its parallel layout and tree training settings."""
 
-    backend: str = Field(
-        min_length=1, max_length=MAX_BACKEND, description="Backend string: fsdp:..., megatron:... or archon:...."
-    )
+    backend: str = Field(min_length=1, max_length=MAX_BACKEND, description=f"Backend string: {prefixes('training')}.")
     # The trainer config's own section: one schema for both.
     tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
     resources: Resources = Field(
@@ -263,39 +278,42 @@ class ApiKeySecret(_Model):
     )
 
 
-_TRAINING = "['fsdp:', 'megatron:', 'archon:'].exists(p, self.backend.startsWith(p))"
+def backend_rules() -> list[tuple[str, str]]:
+    """The CEL rules (and messages) that catch a wrong backend family at admission time,
+    generated from the engine registry (:mod:`treetrain.alloc.registry`) as the CRD is: a
+    backend described there is accepted here with no other change."""
+    servers, trainers = names("inference"), names("training")
+
+    def server(value: str) -> str:
+        return " || ".join(f"{value}.startsWith('{name}:')" for name in servers)
+
+    def trainer(value: str) -> str:
+        return f"[{', '.join(repr(f'{name}:') for name in trainers)}].exists(p, {value}.startsWith(p))"
+
+    listed = ", ".join(f"{name}:..." for name in trainers)
+    return [
+        (server("self.rollout.backend"), f"rollout.backend must be an inference backend: {prefixes('inference')}"),
+        (
+            f"!has(self.additionalRollouts) || self.additionalRollouts.all(r, {server('r.backend')})",
+            f"additionalRollouts[].backend must be {prefixes('inference')}",
+        ),
+        (trainer("self.actor.backend"), f"actor.backend must be {prefixes('training')}"),
+        (
+            f"!has(self.critic) || self.critic.backend == '' || {trainer('self.critic.backend')}",
+            f"critic.backend must be empty (= actor's) or {listed}",
+        ),
+        (
+            f"!has(self.ref) || self.ref.backend == '' || {trainer('self.ref.backend')}",
+            f"ref.backend must be empty (= actor's) or {listed}",
+        ),
+    ]
 
 
 class RLJobSpec(_Model):
     """What to run. The operator's parser checks backend strings fully; the CEL rules
     here only catch a wrong backend family at admission time."""
 
-    model_config = ConfigDict(
-        json_schema_extra=_cel(
-            (
-                "self.rollout.backend.startsWith('sglang:') || self.rollout.backend.startsWith('vllm:')",
-                "rollout.backend must be an inference backend: sglang:... or vllm:...",
-            ),
-            (
-                "!has(self.additionalRollouts) || self.additionalRollouts.all(r, "
-                "r.backend.startsWith('sglang:') || r.backend.startsWith('vllm:'))",
-                "additionalRollouts[].backend must be sglang:... or vllm:...",
-            ),
-            (
-                _TRAINING.replace("self.backend", "self.actor.backend"),
-                "actor.backend must be fsdp:..., megatron:... or archon:...",
-            ),
-            (
-                "!has(self.critic) || self.critic.backend == '' || "
-                + _TRAINING.replace("self.backend", "self.critic.backend"),
-                "critic.backend must be empty (= actor's) or fsdp:..., megatron:..., archon:...",
-            ),
-            (
-                "!has(self.ref) || self.ref.backend == '' || " + _TRAINING.replace("self.backend", "self.ref.backend"),
-                "ref.backend must be empty (= actor's) or fsdp:..., megatron:..., archon:...",
-            ),
-        )
-    )
+    model_config = ConfigDict(json_schema_extra=_cel(*backend_rules()))
 
     model: ModelStorage
     images: Images = Field(default_factory=Images)

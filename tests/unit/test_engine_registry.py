@@ -1,7 +1,7 @@
 """The engine registry (treetrain/alloc/registry.py) is the one place engines are described:
 a description added here changes what the parser, the memory plan, config validation, the
-factory and the operator's CEL rule accept, and the code that reads the registry compares no
-engine names (an AST scan)."""
+factory and the operator's CEL rule (the CRD's, generated) accept, and the code that reads the
+registry compares no engine names (an AST scan)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,28 @@ def test_every_trainer_names_its_engine_class() -> None:
         assert engine_class_of(parse(f"{name}:d1")).__name__.lower() == f"{name}engine"
 
 
+def test_the_crd_cel_rule_is_generated_from_the_registry(fake: None) -> None:
+    from rljob_operator.models import backend_rules
+
+    rules = dict(backend_rules())
+    actor = next(rule for rule in rules if "self.actor.backend" in rule)
+    assert "'fake:'" in actor and "'fakeserve:'" not in actor
+    assert rules[actor] == "actor.backend must be fsdp:..., megatron:..., archon:... or fake:..."
+    rollout = next(rule for rule in rules if rule.startswith("self.rollout.backend"))
+    assert "self.rollout.backend.startsWith('fakeserve:')" in rollout and "'fake:'" not in rollout
+
+
+def test_the_committed_crd_carries_the_registrys_rules() -> None:
+    import yaml
+
+    from rljob_operator.models import backend_rules
+
+    crd = yaml.safe_load((ROOT / "crds/rljob.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    found = [(v["rule"], v["message"]) for v in spec["x-kubernetes-validations"]]
+    assert found == backend_rules()
+
+
 def test_tables_derived_from_the_registry() -> None:
     assert get_args(ServerKind) == ("auto", *registry.names("inference"))
     assert registry.names() == ("sglang", "vllm", "fsdp", "megatron", "archon")
@@ -121,13 +143,18 @@ def test_tables_derived_from_the_registry() -> None:
 # -- no engine names compared -------------------------------------------------------------
 
 # Modules that read the registry. The descriptions themselves (alloc/specs/) and the engines'
-# own packages are where names live.
+# own packages are where names live; so are the rollout servers' command lines
+# (rljob_operator/servers.py, render_statefulset.py), the servers' own code.
 READERS = [
     *sorted((ROOT / "treetrain/alloc").glob("*.py")),
     *sorted((ROOT / "treetrain/config").glob("*.py")),
     ROOT / "treetrain/engines/factory.py",
     ROOT / "treetrain/cli/alloc.py",
     ROOT / "treetrain/cli/memory.py",
+    ROOT / "operator/rljob_operator/models.py",
+    ROOT / "operator/rljob_operator/components.py",
+    ROOT / "operator/rljob_operator/crd.py",
+    ROOT / "operator/rljob_operator/gpu_memory.py",
 ]
 
 
