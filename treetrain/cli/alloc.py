@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from treetrain.alloc import AllocationError, migration_yaml, parse, plan_pods
+from treetrain.alloc import AllocationError, migration_yaml, parse, plan_pods, registry
 
 EXAMPLES = """\
 examples:
@@ -16,10 +16,21 @@ examples:
   treetrain alloc fsdp:d16 --gpus-per-node 8
   treetrain alloc --migrate 'sglang:d4+fsdp:d4'
 
-letters: d data parallel (sglang/vllm: server instances), t tensor, p pipeline,
-c context, e expert; world size = d*t*p*c. Backends: sglang, vllm (d/t/p);
-fsdp (d/t/c); megatron, archon (d/t/p/c/e and (attn:...|ffn:...)).
+letters: d data parallel (rollout servers: server instances), t tensor, p pipeline,
+c context, e expert; world size = d*t*p*c. Backends: {backends}.
 """
+
+
+def backends_help() -> str:
+    """``sglang, vllm (d/t/p); fsdp (d/t/c); ...``: the registry's backends grouped by what they take."""
+    groups: dict[tuple[str, bool], list[str]] = {}
+    for name in registry.names():
+        letters = registry.spec_of(name).letters
+        groups.setdefault((letters.accepted, letters.hybrid), []).append(name)
+    return "; ".join(
+        f"{', '.join(group)} ({'/'.join(accepted)}{' and (attn:...|ffn:...)' if hybrid else ''})"
+        for (accepted, hybrid), group in groups.items()
+    )
 
 
 def add_parser(subparsers: Any) -> None:
@@ -28,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
         help="parse backend strings (sglang:d2t4, fsdp:d4t2, ...) into parallel sizes and GPUs",
         description="Parse backend strings into parallel sizes and GPU counts. "
         "Exit 0 when all parse, 2 when any is invalid (the others are still printed).",
-        epilog=EXAMPLES,
+        epilog=EXAMPLES.format(backends=backends_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("specs", nargs="*", metavar="SPEC", help="backend strings, one engine each")
