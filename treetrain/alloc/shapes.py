@@ -215,10 +215,10 @@ def total_params(m: ModelShape) -> int:
     return sum(p.numel for p in stage_params(m, "actor", range(m.layers), first=True, last=True, tp_vocab=False))
 
 
-# -- the Archon pipeline split (the pure twin of archon/pipeline.py's stage_layers) -----------
+# -- the balanced pipeline split (stage_split "balanced"; archon/pipeline.py runs it) ----------
 
 
-def archon_layer_costs(m: ModelShape, tokens: int) -> list[float]:
+def layer_flops(m: ModelShape, tokens: int) -> list[float]:
     """Forward FLOPs per layer on a tree of ``tokens`` tokens (attention at a full causal mask)."""
     d, hd = m.hidden, m.heads * m.head_dim
     proj = 2 * d * (hd + 2 * m.kv_heads * m.head_dim) + 2 * hd * d
@@ -228,7 +228,7 @@ def archon_layer_costs(m: ModelShape, tokens: int) -> list[float]:
     return [float(tokens * (proj + attention + (moe if i in m.moe_layers else dense))) for i in range(m.layers)]
 
 
-def archon_head_cost(m: ModelShape, tokens: int, *, value_head: bool) -> float:
+def head_flops(m: ModelShape, tokens: int, *, value_head: bool) -> float:
     head = 2 * m.hidden + 1 if value_head else 2 * m.hidden * m.vocab + 4 * m.vocab
     return float(tokens * (4 * m.hidden + head))
 
@@ -273,8 +273,8 @@ def stage_split(m: ModelShape, engine: str, pp: int, *, tokens: int, role: str) 
     minimises the costliest stage's FLOPs (Archon), ``even`` gives every stage ``layers / p``
     (Megatron)."""
     if spec_of(engine).stage_split == "balanced":
-        costs = archon_layer_costs(m, tokens)
-        return split_min_max(costs, pp, last=archon_head_cost(m, tokens, value_head=role == "critic"))
+        costs = layer_flops(m, tokens)
+        return split_min_max(costs, pp, last=head_flops(m, tokens, value_head=role == "critic"))
     _check_even_split(m, pp)
     each = m.layers // pp
     return [range(s * each, (s + 1) * each) for s in range(pp)]

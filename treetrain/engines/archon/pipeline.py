@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from treetrain.alloc.memory import ModelShape, archon_head_cost, archon_layer_costs, split_min_max
+from treetrain.alloc.memory import ModelShape, head_flops, layer_flops, split_min_max
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.tree import pad_tree as pad_tree  # one padding for every engine; re-exported
@@ -58,13 +58,13 @@ def layer_costs(args: ModelArgs, tokens: int) -> list[float]:
     """Forward FLOPs of each layer on one tree of ``tokens`` tokens. Attention is counted at
     a full causal mask (an upper bound: a tree mask only removes pairs), so longer trees make
     the layers heavier relative to the head."""
-    return archon_layer_costs(_shape(args), tokens)
+    return layer_flops(_shape(args), tokens)
 
 
 def head_cost(args: ModelArgs, tokens: int, *, value_head: bool) -> float:
     """Forward FLOPs of the last stage's extra work: the final norm and the head (the
     vocabulary projection and its log-softmax, or one value per token)."""
-    return archon_head_cost(_shape(args), tokens, value_head=value_head)
+    return head_flops(_shape(args), tokens, value_head=value_head)
 
 
 # The split itself is pure and shared with the memory plan (which must predict it exactly).
