@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchem
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from treetrain.alloc.registry import names, prefixes
+from treetrain.alloc.registry import either, names, prefixes
 from treetrain.config.schema import (
     DEFAULT_WEIGHT_SYNC_PORT,
     MAX_BACKEND,
@@ -41,12 +41,6 @@ Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True)
-
-
-def _or_backticks(kind: Literal["training", "inference"]) -> str:
-    """```sglang:...` or `vllm:...```: the registry's backends of ``kind`` as a description writes them."""
-    quoted = [f"`{name}:...`" for name in names(kind)]
-    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
@@ -160,14 +154,11 @@ class Images(_Model):
     )
 
 
+_SERVERS = either(f"`{name}:...`" for name in names("inference"))  # the registry's rollout servers
+
+
 class RolloutEngine(_Model):
     """One inference engine: `backend` is a rollout server's string; `d` = server instances."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "description": f"One inference engine: `backend` is {_or_backticks('inference')}; `d` = server instances."
-        }
-    )
 
     backend: str = Field(
         min_length=1,
@@ -189,8 +180,6 @@ RESERVED_ENGINE_NAMES = ("config", "rollout", "trainer", "critic", "ref")
 
 
 class NamedRolloutEngine(RolloutEngine):
-    model_config = ConfigDict(json_schema_extra={})  # the schema keeps no description here, as before
-
     name: str = Field(
         pattern=r"^[a-z0-9]{1,20}$",
         description="Engine name: lower-case letters and digits, at most 20, not one of "
@@ -279,34 +268,29 @@ class ApiKeySecret(_Model):
 
 
 def backend_rules() -> list[tuple[str, str]]:
-    """The CEL rules (and messages) that catch a wrong backend family at admission time,
-    generated from the engine registry (:mod:`treetrain.alloc.registry`) as the CRD is: a
-    backend described there is accepted here with no other change."""
-    servers, trainers = names("inference"), names("training")
+    """The CEL rules (and messages) that catch a wrong backend family at admission time, generated
+    from the engine registry as the CRD is: a backend described there is accepted here too."""
+    trainers = ", ".join(repr(f"{name}:") for name in names("training"))
 
     def server(value: str) -> str:
-        return " || ".join(f"{value}.startsWith('{name}:')" for name in servers)
+        return " || ".join(f"{value}.startsWith('{name}:')" for name in names("inference"))
 
     def trainer(value: str) -> str:
-        return f"[{', '.join(repr(f'{name}:') for name in trainers)}].exists(p, {value}.startsWith(p))"
+        return f"[{trainers}].exists(p, {value}.startsWith(p))"
 
-    listed = ", ".join(f"{name}:..." for name in trainers)
-    return [
+    listed = ", ".join(f"{name}:..." for name in names("training"))
+    rules = [
         (server("self.rollout.backend"), f"rollout.backend must be an inference backend: {prefixes('inference')}"),
         (
             f"!has(self.additionalRollouts) || self.additionalRollouts.all(r, {server('r.backend')})",
             f"additionalRollouts[].backend must be {prefixes('inference')}",
         ),
         (trainer("self.actor.backend"), f"actor.backend must be {prefixes('training')}"),
-        (
-            f"!has(self.critic) || self.critic.backend == '' || {trainer('self.critic.backend')}",
-            f"critic.backend must be empty (= actor's) or {listed}",
-        ),
-        (
-            f"!has(self.ref) || self.ref.backend == '' || {trainer('self.ref.backend')}",
-            f"ref.backend must be empty (= actor's) or {listed}",
-        ),
     ]
+    for role in ("critic", "ref"):  # empty: the actor's backend
+        rule = f"!has(self.{role}) || self.{role}.backend == '' || {trainer(f'self.{role}.backend')}"
+        rules.append((rule, f"{role}.backend must be empty (= actor's) or {listed}"))
+    return rules
 
 
 class RLJobSpec(_Model):
@@ -329,7 +313,9 @@ class RLJobSpec(_Model):
         description="Memory of one GPU in GiB, for the memory check (with model.config); unset: the smallest "
         "nvidia.com/gpu.memory node label (MiB) among the nodes the pods can land on.",
     )
-    rollout: RolloutEngine
+    rollout: RolloutEngine = Field(
+        description=f"One inference engine: `backend` is {_SERVERS}; `d` = server instances."
+    )
     additional_rollouts: list[NamedRolloutEngine] = Field(
         default_factory=list,
         description="More rollout engines (e.g. a second model size); names are unique.",
