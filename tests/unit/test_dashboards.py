@@ -34,7 +34,7 @@ CONTRACT_TRAINER = {
     "treetrain_rollout_logprob_mismatch",
     "treetrain_steps_total",
 }
-# docs/contracts.md's "plus loss and reward gauges", as treetrain/metrics.py names them.
+# docs/contracts.md's "plus loss and reward gauges", as treetrain/metrics/names.py names them.
 LOSS_AND_REWARD = {"treetrain_loss", "treetrain_reward"}
 # The RL health signals (sample names as scraped): each has a panel in the Training dashboard's
 # "RL health" row, and tests/cluster/test_prometheus.py checks every panel has data.
