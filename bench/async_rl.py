@@ -5,7 +5,7 @@
 The trainer is the real one (``Trainer``: builtin:tiny-llama on builtin:parity, tree packing,
 GRPO, one torch thread) and its rollout server is bench/rollout_standin.py in a process of its
 own, whose generation time is simulated (a per-token condition wait: no CPU), so the rollout
-servers take no CPU from training; the rollout controller's threads (HTTP requests, the task's
+servers take no CPU from training; the group scheduler's threads (HTTP requests, the task's
 code) do run in the trainer's process, as they do in a real run. Weights go to the stand-in by disk (``checkpoint.dir`` in a
 temporary directory), as a disk-synced server gets them. Each mode of ``--staleness`` trains the
 same number of steps from the same seed in this one process: ``0`` is the synchronous loop
