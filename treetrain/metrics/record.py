@@ -4,6 +4,16 @@ write, and the Prometheus registry exports, all read from the same host numbers 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def _stat(name: str) -> Any:
+    """A read-only figure of the record: ``stats[name]``, None when the step did not measure it."""
+
+    def get(record: StepRecord) -> float | None:
+        return record.stats.get(name)
+
+    return property(get)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -55,32 +65,12 @@ class StepRecord:
         return self.original_tokens / self.seconds if self.seconds > 0 else 0.0
 
     # |rollout engine's log-prob - trainer's recomputed log-prob| over the response tokens, and
-    # the policy and its update per response token (None: not measured this step; kl needs a
-    # reference model). The ratio is the importance ratio policy / proximal policy.
-    @property
-    def mismatch_mean(self) -> float | None:
-        return self.stats.get("behav_mismatch")
-
-    @property
-    def mismatch_max(self) -> float | None:
-        return self.stats.get("behav_mismatch_max")
-
-    @property
-    def entropy(self) -> float | None:
-        return self.stats.get("entropy")
-
-    @property
-    def kl(self) -> float | None:
-        return self.stats.get("kl")
-
-    @property
-    def clip_fraction(self) -> float | None:
-        return self.stats.get("clip_fraction")
-
-    @property
-    def ratio_mean(self) -> float | None:
-        return self.stats.get("ratio")
-
-    @property
-    def ratio_max(self) -> float | None:
-        return self.stats.get("ratio_max")
+    # the policy and its update per response token, read from the loss's statistics (None: not
+    # measured this step; kl needs a reference model). The ratio is policy / proximal policy.
+    mismatch_mean = _stat("behav_mismatch")
+    mismatch_max = _stat("behav_mismatch_max")
+    entropy = _stat("entropy")
+    kl = _stat("kl")
+    clip_fraction = _stat("clip_fraction")
+    ratio_mean = _stat("ratio")
+    ratio_max = _stat("ratio_max")
