@@ -81,7 +81,9 @@ def qwen_renderer(smollm2: Any) -> ChatRenderer:
 def serving(generate: Any, renderer: ChatRenderer, **kwargs: Any) -> Iterator[ProxyServer]:
     """A started proxy on a free loopback port, closed afterwards."""
     request_log = kwargs.pop("request_log", None)
-    server = ProxyServer(RLService(generate=generate, renderer=renderer, model_name=SMOL, **kwargs), request_log=request_log)
+    server = ProxyServer(
+        RLService(generate=generate, renderer=renderer, model_name=SMOL, **kwargs), request_log=request_log
+    )
     server.start("127.0.0.1", 0)
     try:
         yield server
