@@ -63,7 +63,7 @@ class Readiness:
             self.ready = True
             log.info("ready: RLJobs listed at %s", self.login.server if self.login else "?")
             return
-        if why != self.why:
+        if why != self.why and self.login is not None:  # before kopf's login is only a matter of time
             log.warning("not ready: %s", why)
         self.why = why
         raise kopf.PermanentError(f"not ready: {why}")  # permanent: fail this probe now, no retries

@@ -201,6 +201,9 @@ def test_rljob_end_to_end_on_a_real_node(real_cluster: Cluster, tmp_path: Path) 
     (op_pod,) = client.CoreV1Api(cluster.api).list_namespaced_pod("rljob-system").items
     assert op_pod.spec.node_name == "real-node-0"
     assert all(c.ready for c in op_pod.status.container_statuses), op_pod.status
+    # Ready means it listed RLJobs with the in-cluster login kopf's watch uses (not just /healthz up).
+    op_log = kubectl(cluster, "-n", "rljob-system", "logs", op_pod.metadata.name)
+    assert "ready: RLJobs listed at https://kubernetes.default.svc" in op_log, op_log[-3000:]
     print(f"\noperator pod Ready {time.monotonic() - t0:.0f}s after helm install started")
 
     host_dir = tmp_path / "checkpoints"
