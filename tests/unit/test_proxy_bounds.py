@@ -22,8 +22,8 @@ from treetrain.engines.hf_model import build_model
 from treetrain.proxy.chat import ChatRenderer
 from treetrain.proxy.sampler import BatchingSampler
 from treetrain.proxy.sessions import ProxyLimits, Refused, SessionStore
-from treetrain.trainer.agents import Job, run_agents
 from treetrain.rl.rollout import Generation, LocalRollout, SamplingParams
+from treetrain.trainer.agents import Job, run_agents
 
 DEADLINE_S = 60.0
 USER = [{"role": "user", "content": "hi"}]
