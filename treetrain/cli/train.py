@@ -42,7 +42,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"treetrain train: error: {message}", file=sys.stderr)
+    print(f"treetrain train: error: {message}", file=sys.stderr, flush=True)
     return 2
 
 
@@ -91,9 +91,7 @@ def run(args: argparse.Namespace) -> int:
     except config_mod.ConfigError as err:
         print(f"treetrain train: {err}", file=sys.stderr)
         return 2
-    try:
-        summary = run_training(cfg, launch=launch, resume=args.resume)
-    except (
+    bad_input = (
         EngineConfigError,
         TaskError,
         PackingError,
@@ -101,12 +99,25 @@ def run(args: argparse.Namespace) -> int:
         BackendUnavailableError,
         AllocationError,
         FileNotFoundError,
-    ) as err:
-        return _fail(str(err))
-    except RolloutError as err:
-        # The servers, not the config: exit 1, so a restarted pod tries again.
-        print(f"treetrain train: rollout failed: {err}", file=sys.stderr)
-        return 1
+    )
+    said: list[int] = []  # the exit code of the line already printed
+
+    def say(err: BaseException) -> None:
+        """The one line of ``err``, printed before the trainer's clean-up: under torchrun the first
+        rank to exit gets the others SIGTERMed, and a rank still closing down lost its line."""
+        if isinstance(err, bad_input):
+            said.append(_fail(str(err)))
+        elif isinstance(err, RolloutError):
+            # The servers, not the config: exit 1, so a restarted pod tries again.
+            print(f"treetrain train: rollout failed: {err}", file=sys.stderr, flush=True)
+            said.append(1)
+
+    try:
+        summary = run_training(cfg, launch=launch, resume=args.resume, on_error=say)
+    except (*bad_input, RolloutError) as err:
+        if not said:  # raised before the trainer existed
+            say(err)
+        return said[0]
     except KeyboardInterrupt:
         return 130
     # Stopped by SIGTERM before the last step: not a success (a restarted pod resumes).

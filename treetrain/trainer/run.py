@@ -4,6 +4,7 @@ the last batches timed tree vs flat, each line printed as soon as it is known.""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -13,9 +14,17 @@ from treetrain.trainer.lines import format_comparison, format_summary
 from treetrain.trainer.loop import Summary, Trainer
 
 
-def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool = False, out: Any = None) -> Summary:
+def run_training(
+    cfg: TrainConfig,
+    *,
+    launch: Launch | None = None,
+    resume: bool = False,
+    out: Any = None,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> Summary:
     """Build, run and close a trainer, then (``trainer.compareFlat``) time tree vs flat:
-    what ``treetrain train`` calls."""
+    what ``treetrain train`` calls. ``on_error`` sees an error of the run before the trainer is
+    closed (the CLI prints its one line then: closing down can take seconds)."""
     stream = out or sys.stdout
     trainer = Trainer(cfg, launch=launch, resume=resume, log=lambda line: print(line, file=stream, flush=True))
     try:
@@ -36,6 +45,10 @@ def run_training(cfg: TrainConfig, *, launch: Launch | None = None, resume: bool
             for line in format_comparison(summary.comparison) if summary.comparison else []:
                 trainer.log(line)
         return summary
+    except BaseException as err:
+        if on_error is not None:
+            on_error(err)
+        raise
     finally:
         trainer.close()
         if dist.is_initialized():
