@@ -19,8 +19,8 @@ import yaml
 from helpers import ROOT, merge, small, subprocess_env
 
 from treetrain import config as C
-from treetrain.rl.samples import Rollouts, Sample
 from treetrain.rl.progress import RolloutProgress
+from treetrain.rl.samples import Rollouts, Sample
 from treetrain.trainer.loop import Trainer
 from treetrain.trainer.run import run_training
 from treetrain.trainer.samples import pick_episodes, printed, sample_records
