@@ -4,17 +4,40 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+from kubernetes import client
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    dir: Path
+    kubeconfig: Path
+    bin: Path
+    env: dict[str, str]  # os.environ plus KUBECONFIG and PATH, for kubectl and helm
+    api: client.ApiClient
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a tool from the cluster's bin directory (kubectl, helm) against the cluster."""
+        return subprocess.run(
+            [str(self.bin / args[0]), *args[1:]],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=120,
+        )
 
 
 def wait_for(what: str, check: Callable[[], T | None], timeout: float = 60.0) -> T:

@@ -15,36 +15,18 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cluster_helpers import scratch_namespace
-from kubernetes import client, config
+
+# Cluster lives in cluster_helpers: a test module importing `conftest` at run time could get
+# another directory's conftest (tests/vllm's), whichever pytest loaded last.
+from cluster_helpers import Cluster, scratch_namespace
+from kubernetes import config
 
 HERE = Path(__file__).resolve().parent
 LAUNCHER = HERE / "launcher.py"
 KEPT_LOGS = pytest.StashKey[Path]()
-
-
-@dataclass(frozen=True)
-class Cluster:
-    dir: Path
-    kubeconfig: Path
-    bin: Path
-    env: dict[str, str]  # os.environ plus KUBECONFIG and PATH, for kubectl and helm
-    api: client.ApiClient
-
-    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run a tool from the cluster's bin directory (kubectl, helm) against the cluster."""
-        return subprocess.run(
-            [str(self.bin / args[0]), *args[1:]],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            check=check,
-            timeout=120,
-        )
 
 
 @pytest.fixture(scope="session")

@@ -33,18 +33,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import wait_for
+from cluster_helpers import Cluster, wait_for
 from kubernetes import client, config
 from test_prometheus import Prometheus, prometheus_binary, prometheus_process
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
-
-if TYPE_CHECKING:
-    from conftest import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.slow]
 
@@ -58,8 +55,6 @@ JOB = "demo"
 
 @pytest.fixture(scope="module")
 def real_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from conftest import Cluster
-
     built = subprocess.run([str(HERE / "build"), "--print"], capture_output=True, text=True)
     node_built = subprocess.run([str(HERE / "build"), "--node", "--print"], capture_output=True, text=True)
     if built.returncode or node_built.returncode:
