@@ -32,7 +32,10 @@ PLURAL = "rljobs"
 SHORT_NAME = "rlj"
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
-DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/trainer:0.1.0"
+# One image per server (trainer-image/Dockerfile, ROLLOUT=sglang|vllm: the server with the torch it
+# pins); "{kind}" is each rollout engine's server. The trainer image holds neither server.
+DEFAULT_ROLLOUT_IMAGE = "ghcr.io/treetrain/rollout:0.1.0-{kind}"
+ROLLOUT_KIND = "{kind}"
 
 MAX_TTL_SECONDS = 10 * 366 * 86400  # ten years: larger values overflow date arithmetic
 
@@ -145,10 +148,14 @@ class DataVolume(_Model):
 
 
 class Images(_Model):
-    """Container images; the trainer image also launches SGLang/vLLM for rollout pods."""
+    """Container images: the trainer's, and the rollout servers' (one per server kind)."""
 
     trainer: str = Field(default=DEFAULT_TRAINER_IMAGE, description="Image of the trainer pods.")
-    rollout: str = Field(default=DEFAULT_ROLLOUT_IMAGE, description="Image of the rollout (SGLang/vLLM) pods.")
+    rollout: str = Field(
+        default=DEFAULT_ROLLOUT_IMAGE,
+        description="Image of the rollout pods; {kind} in it becomes each engine's server, sglang or vllm (the "
+        "default is the project's image of that server).",
+    )
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
     )

@@ -14,7 +14,7 @@ from rljob_operator.api_rules import Problem
 from rljob_operator.components import Component
 from rljob_operator.errors import FieldError
 from rljob_operator.layout import openai_port
-from rljob_operator.models import RLJobSpec
+from rljob_operator.models import ROLLOUT_KIND, RLJobSpec
 from rljob_operator.names import DATA_DIR, METRICS_PORT
 from rljob_operator.network import NetworkSettings
 from treetrain.config import TrainConfig
@@ -146,7 +146,9 @@ def check_admission(
             )
         )
     if limits.image_prefixes:
-        for key, image in (("trainer", spec.images.trainer), ("rollout", spec.images.rollout)):
+        # "{kind}" stands for a path segment's end (sglang, vllm): judged with one of them filled in.
+        rollout = spec.images.rollout.replace(ROLLOUT_KIND, "vllm")
+        for key, image in (("trainer", spec.images.trainer), ("rollout", rollout)):
             if not api_rules.image_allowed(image, limits.image_prefixes):
                 errors.append(
                     FieldError(

@@ -7,7 +7,7 @@ from typing import Any
 
 from rljob_operator.components import Component
 from rljob_operator.layout import Layout, api_key_ref, model_path, rollout_engine
-from rljob_operator.models import GROUP
+from rljob_operator.models import GROUP, ROLLOUT_KIND
 from rljob_operator.names import (
     ANNOTATION_WEIGHT_SYNC,
     LABEL_COMPONENT,
@@ -65,7 +65,7 @@ def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
     gpu = spec.gpu_resource_name
     container = {
         "name": "server",
-        "image": spec.images.rollout,
+        "image": rollout_image(spec.images.rollout, comp.allocation.backend),
         "imagePullPolicy": spec.images.pull_policy,
         "command": command,
         "env": env,
@@ -120,3 +120,8 @@ def sync_annotations(layout: Layout, engine: str) -> dict[str, str]:
         f"{GROUP}/weight-sync-world-size": str(ws["world_size"]),
         f"{GROUP}/weight-sync-ranks": ws["ranks"][engine],
     }
+
+
+def rollout_image(image: str, server: str) -> str:
+    """``spec.images.rollout`` for one engine: ``{kind}`` becomes its server (sglang, vllm)."""
+    return image.replace(ROLLOUT_KIND, server)

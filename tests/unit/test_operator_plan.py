@@ -665,3 +665,19 @@ def test_one_complete_plan_per_reconcile(monkeypatch: pytest.MonkeyPatch) -> Non
     built.clear()
     plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}), restart=2)
     assert len(built) == 1
+
+
+def test_each_rollout_engine_gets_its_servers_image() -> None:
+    """The default rollout image is per server ({kind}): the trainer image holds no SGLang or vLLM."""
+    body = manifest(additionalRollouts=[{"name": "v", "backend": "vllm:d1"}])
+    images = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["image"]
+        for o in plan(body).objects
+        if o["kind"] == "StatefulSet"
+    }
+    assert sorted(images.values()) == ["ghcr.io/treetrain/rollout:0.1.0-sglang", "ghcr.io/treetrain/rollout:0.1.0-vllm"]
+    body["spec"]["images"] = {"rollout": "registry.example.com/acme/server:7"}  # one fixed image
+    fixed = [o for o in plan(body).objects if o["kind"] == "StatefulSet"]
+    assert {o["spec"]["template"]["spec"]["containers"][0]["image"] for o in fixed} == {
+        "registry.example.com/acme/server:7"
+    }
