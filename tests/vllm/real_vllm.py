@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ BUILD_HINT = "run `make vllm-venv` (or tests/vllm/build): about 4 min with a war
 
 class ServerError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """A server started with LoRA: ``--enable-lora --max-lora-rank R --max-loras N``."""
+
+    max_rank: int
+    max_loras: int
 
 
 def venv_python() -> Path | None:
@@ -62,8 +71,11 @@ def _die_with_parent() -> None:
 class VLLMServer:
     """A vLLM server of ``model`` on ``127.0.0.1:port``; its log in ``workdir/server-N.log``."""
 
-    def __init__(self, python: Path, model: Path, workdir: Path, *, port: int | None = None) -> None:
+    def __init__(
+        self, python: Path, model: Path, workdir: Path, *, port: int | None = None, lora: LoraSlots | None = None
+    ) -> None:
         self.python, self.model, self.workdir = python, model, workdir
+        self.lora = lora
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,6 +94,8 @@ class VLLMServer:
             "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /is_paused, /collective_rpc
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
         }
+        if lora is not None:
+            self.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     def start(self) -> None:
         """Start the server (on the same port as before, after a restart); returns at once."""
@@ -111,6 +125,14 @@ class VLLMServer:
             "--worker-extension-cls",
             EXTENSION,
         ]
+        if self.lora is not None:
+            args += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(self.lora.max_rank),
+                "--max-loras",
+                str(self.lora.max_loras),
+            ]
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 args,

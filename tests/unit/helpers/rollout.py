@@ -44,6 +44,14 @@ class FakeServer:
         self.wait_for_pause = True
         # Rewrites a generation's (tokens, log-probs) before it is sent: a server that answers wrongly.
         self.rewrite: Any = None
+        # LoRA: the adapters loaded (name -> path), at most max_loras of them (a load past that is
+        # refused, as SGLang's --max-loaded-loras does); silent_loads: a load answers success but
+        # lists nothing (the silent no-op sync); refuse_loads: every load answers an error.
+        self.adapters: dict[str, str] = {}
+        self.max_loras = 0
+        self.most_adapters = 0  # the most adapters it ever held at once
+        self.silent_loads = False
+        self.refuse_loads = False
         self.generating = threading.Event()  # a generation to be aborted has its tokens
         self.paused = threading.Event()
         fake = self
@@ -78,9 +86,37 @@ class FakeServer:
             return 200, {}
         if self.kind == "sglang" and path == "/model_info":
             return 200, {"model_path": "/models/x", "weight_version": self.weight_version}
-        if path == "/v1/models":  # both serve it (SGLang has OpenAI routes too)
-            return 200, {"data": [{"id": "m"}]}
+        if path == "/v1/models":  # both serve it (SGLang has OpenAI routes too); adapters name a parent
+            return 200, {
+                "data": [{"id": "m"}] + [{"id": n, "root": p, "parent": "m"} for n, p in self.adapters.items()]
+            }
         return 404, {"detail": "Not Found"}
+
+    def lora(self, path: str, body: Any) -> tuple[int, Any]:
+        """Both servers' LoRA routes: vLLM's under /v1 answer text or an error object, SGLang's
+        ``{success, error_message}``."""
+        if (self.kind == "vllm") != path.startswith("/v1/"):
+            return 404, {"detail": "Not Found"}
+        name = body["lora_name"]
+
+        def refuse(status: int, why: str) -> tuple[int, Any]:
+            if self.kind == "sglang":
+                return 400, {"success": False, "error_message": why}
+            return status, {"error": {"message": why, "code": status}}
+
+        if path.endswith("/unload_lora_adapter"):
+            if self.adapters.pop(name, None) is None:
+                return refuse(404, f"The lora adapter '{name}' cannot be found.")
+        elif self.refuse_loads:
+            return refuse(500, f"Loading lora {name} failed: rank too large")
+        elif name in self.adapters:
+            return refuse(400, f"The lora adapter '{name}' has already been loaded.")
+        elif len(self.adapters) >= self.max_loras:
+            return refuse(400, f"{self.max_loras} adapters loaded already")
+        elif not self.silent_loads:
+            self.adapters[name] = body["lora_path"]
+            self.most_adapters = max(self.most_adapters, len(self.adapters))
+        return 200, ({"success": True} if self.kind == "sglang" else f"Success: LoRA adapter '{name}'")
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
         if not self.pause_routes and path.startswith(("/pause", "/resume", "/continue_generation")):
@@ -90,6 +126,8 @@ class FakeServer:
             return 503, {"error": "warming up"}
         if path.startswith(("/pause_generation", "/pause?")):
             self.paused.set()
+        if path.removeprefix("/v1") in ("/load_lora_adapter", "/unload_lora_adapter"):
+            return self.lora(path, body)
         reason = "length"
         if path in ("/generate", "/v1/completions") and self.abort_after is not None:
             cut, self.abort_after = self.abort_after, None

@@ -9,9 +9,11 @@ and vLLM servers: :func:`remote_client` gives each endpoint a client of its own 
 
 Modules: ``base`` (the interface), ``gate`` (the weight gate), ``local``, ``http`` (transport,
 retries, health), ``resubmit`` (requests that survive weight updates and failing servers),
-``sglang`` and ``vllm`` (the dialects), ``remote`` (probing and mixing).
+``sglang`` and ``vllm`` (the dialects), ``remote`` (probing and mixing), ``adapters`` (LoRA
+adapter sync: versioned names, the load/unload plan, the check that a server lists the new one).
 """
 
+from treetrain.rl.rollout.adapters import AdapterSlots
 from treetrain.rl.rollout.base import (
     KINDS,
     REMOTE_KINDS,
@@ -35,7 +37,7 @@ from treetrain.rl.rollout.http import (
     http_json,
 )
 from treetrain.rl.rollout.local import LocalRollout
-from treetrain.rl.rollout.remote import MixedRollout, detect_kind, probe_kind, remote_client
+from treetrain.rl.rollout.remote import MixedRollout, detect_kind, probe_kind, remote_client, use_adapter
 from treetrain.rl.rollout.resubmit import ServerUnavailable
 from treetrain.rl.rollout.sglang import SGLangRollout
 from treetrain.rl.rollout.vllm import VLLMRollout
@@ -45,6 +47,7 @@ __all__ = [
     "KINDS",
     "REMOTE_KINDS",
     "UNKNOWN",
+    "AdapterSlots",
     "BucketRequest",
     "Generation",
     "GroupRequest",
@@ -67,4 +70,5 @@ __all__ = [
     "http_json",
     "probe_kind",
     "remote_client",
+    "use_adapter",
 ]

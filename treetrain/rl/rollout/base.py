@@ -71,6 +71,11 @@ class RolloutClient(ABC):
     def update_weights(self, path: str, version: int) -> None:  # noqa: B027 - a no-op unless remote
         """Load the weights saved at ``path`` (remote servers); local rollout shares the model."""
 
+    def update_adapter(self, path: str, version: int) -> None:
+        """Load the LoRA adapter saved at ``path`` as ``version`` and check every server lists it
+        (remote servers with adapter slots: treetrain.rl.rollout.adapters)."""
+        raise RolloutError(f"{self.kind} rollout takes no adapter sync")
+
     def wait_ready(self, timeout_s: float) -> None:  # noqa: B027
         """Block until every server answers its health check."""
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from treetrain.rl.rollout.adapters import AdapterSlots, listed_names, served_version, sync_adapter
 from treetrain.rl.rollout.base import (
     _NO_ENDPOINTS,
     UNKNOWN,
@@ -119,6 +120,9 @@ class HTTPRollout(RolloutClient):
     retry_backoff_s: float = 1.0
     transport: Transport = http_json
     gate: WeightGate = field(default_factory=WeightGate)
+    # LoRA adapter sync (treetrain.rl.rollout.adapters): requests name the adapter of their
+    # version, and the served version is read from the adapters a server lists. None: full weights.
+    adapter: AdapterSlots | None = None
     dispatch: Dispatch = field(default_factory=Dispatch, init=False, repr=False)
     health_path: str = field(default="/health", init=False)
 
@@ -196,8 +200,11 @@ class HTTPRollout(RolloutClient):
         )
 
     @abstractmethod
-    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
-        """One request in the server's dialect. A reply cut short by a pause comes back with
+    def _generate_one(
+        self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int, version: int = 0
+    ) -> Generation:
+        """One request in the server's dialect, sampled with the weights of ``version`` (with
+        adapter sync: the adapter of that version). A reply cut short by a pause comes back with
         finish_reason "abort" and the tokens sampled so far; ``versions`` is left empty."""
 
     def _each(self, fn: Callable[[str], None]) -> None:
@@ -209,8 +216,33 @@ class HTTPRollout(RolloutClient):
         return UNKNOWN
 
     def stale_servers(self, version: int) -> list[str]:
-        found = _in_parallel(self.loaded_version, self.endpoints)
+        found = _in_parallel(self._served, self.endpoints)
         return [ep for ep, v in zip(self.endpoints, found, strict=True) if v is not UNKNOWN and v != version]
+
+    def _served(self, endpoint: str) -> int | Unknown | None:
+        slots = self.adapter
+        return (
+            self.loaded_version(endpoint) if slots is None else served_version(self.adapter_versions(endpoint, slots))
+        )
+
+    # -- LoRA adapter sync (treetrain.rl.rollout.adapters) ---------------------------------
+    def update_adapter(self, path: str, version: int) -> None:
+        slots = self.adapter
+        if slots is None:
+            raise RolloutError("adapter sync asked of a client without adapter slots")
+        self._each(lambda ep: sync_adapter(self, ep, path, version, slots))
+
+    def adapter_versions(self, endpoint: str, slots: AdapterSlots) -> list[int]:
+        """The versions of our adapter that ``endpoint`` lists (``GET /v1/models``; both servers)."""
+        found = (slots.version_of(n) for n in listed_names(self.call(endpoint, "GET", "/v1/models")))
+        return sorted(v for v in found if v is not None)
+
+    def load_adapter(self, endpoint: str, name: str, path: str) -> None:
+        """Load the PEFT adapter directory ``path`` as ``name``."""
+        raise NotImplementedError
+
+    def unload_adapter(self, endpoint: str, name: str) -> None:
+        raise NotImplementedError
 
     def sync_targets(self) -> list[tuple[HTTPRollout, str]]:
         """Every endpoint with the client that speaks its dialect (distributed weight sync)."""
@@ -270,7 +302,9 @@ class HTTPHealth(HTTPRollout):
 
     kind = "unknown"
 
-    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+    def _generate_one(
+        self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int, version: int = 0
+    ) -> Generation:
         raise RolloutError(f"{endpoint}: its kind is not known yet; probe it first")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from treetrain.rl.rollout.adapters import AdapterSlots
 from treetrain.rl.rollout.base import (
     _NO_ENDPOINTS,
     REMOTE_KINDS,
@@ -93,6 +94,9 @@ class MixedRollout(RolloutClient):
         # Every kind at once: the reload takes as long as the slowest server, not the sum of them.
         _in_parallel(lambda c: c.update_weights(path, version), self.clients)
 
+    def update_adapter(self, path: str, version: int) -> None:
+        _in_parallel(lambda c: c.update_adapter(path, version), self.clients)
+
     def wait_ready(self, timeout_s: float) -> None:
         # At once, so the servers share one deadline rather than each kind getting timeout_s in turn.
         _in_parallel(lambda c: c.wait_ready(timeout_s), self.clients)
@@ -157,3 +161,13 @@ def remote_client(
 
     clients = [client(kind, eps) for kind, eps in by_kind.items() if eps]
     return clients[0] if len(clients) == 1 else MixedRollout(clients)
+
+
+def use_adapter(client: RolloutClient, slots: AdapterSlots) -> None:
+    """From now on ``client``'s requests name the adapter of their version and its weight syncs
+    go through :meth:`RolloutClient.update_adapter` (remote servers only)."""
+    clients = client.clients if isinstance(client, MixedRollout) else [client]
+    for c in clients:
+        if not isinstance(c, HTTPRollout):
+            raise RolloutError(f"{client.kind} rollout samples with the trainer's own model: it takes no adapter")
+        c.adapter = slots

@@ -155,7 +155,7 @@ def generate_resumable(
         version = gate.wait_open(timeout_s)
         client, endpoint = order[at]
         try:
-            part = client._generate_one(endpoint, prompt + tokens, replace(params, max_new_tokens=left), seed)
+            part = client._generate_one(endpoint, prompt + tokens, replace(params, max_new_tokens=left), seed, version)
         except RolloutError as err:
             if gate.changed_since(version):
                 # The update broke the request (servers that answer an abort with an error): the

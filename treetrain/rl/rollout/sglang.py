@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from treetrain.rl.rollout.base import UNKNOWN, Generation, RolloutError, SamplingParams, Unknown, checked
 from treetrain.rl.rollout.http import BucketRequest, GroupRequest, HTTPRollout
 
@@ -11,8 +13,10 @@ class SGLangRollout(HTTPRollout):
 
     kind = "sglang"
 
-    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
-        body = {
+    def _generate_one(
+        self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int, version: int = 0
+    ) -> Generation:
+        body: dict[str, Any] = {
             "input_ids": prompt,
             "sampling_params": {
                 "max_new_tokens": params.max_new_tokens,
@@ -25,6 +29,9 @@ class SGLangRollout(HTTPRollout):
             "logprob_start_len": len(prompt),  # log-probs of the output tokens only
             "stream": False,
         }
+        adapter = self.adapter.model_for(version) if self.adapter is not None else None
+        if adapter:
+            body["lora_path"] = adapter  # the name a /load_lora_adapter gave it
         out = self.call(endpoint, "POST", "/generate", body)
         try:
             meta = out["meta_info"]
@@ -72,6 +79,14 @@ class SGLangRollout(HTTPRollout):
             return UNKNOWN
         return int(version) if str(version).isdigit() else None
 
+    def load_adapter(self, endpoint: str, name: str, path: str) -> None:
+        res = self.call(endpoint, "POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        self._rpc_ok(endpoint, f"load adapter {name} from {path}", _lora_answer(res))
+
+    def unload_adapter(self, endpoint: str, name: str) -> None:
+        res = self.call(endpoint, "POST", "/unload_lora_adapter", {"lora_name": name})
+        self._rpc_ok(endpoint, f"unload adapter {name}", _lora_answer(res))
+
     def pause(self, endpoint: str) -> bool:
         return self.optional(endpoint, "POST", "/pause_generation", {"mode": "abort"})
 
@@ -106,3 +121,10 @@ class SGLangRollout(HTTPRollout):
         }
         res = self.call(endpoint, "POST", "/update_weights_from_distributed", body)
         self._rpc_ok(endpoint, f"load weights version {bucket.version}", res)
+
+
+def _lora_answer(res: Any) -> Any:
+    """SGLang's LoRA answers say ``error_message`` where its other routes say ``message``."""
+    if isinstance(res, dict) and res.get("success") is False and "message" not in res:
+        return {**res, "message": res.get("error_message")}
+    return res

@@ -18,7 +18,9 @@ class VLLMRollout(HTTPRollout):
         super().__init__(**kwargs)
         self.model = model
 
-    def _generate_one(self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int) -> Generation:
+    def _generate_one(
+        self, endpoint: str, prompt: list[int], params: SamplingParams, seed: int, version: int = 0
+    ) -> Generation:
         body: dict[str, Any] = {
             "prompt": prompt,
             "max_tokens": params.max_new_tokens,
@@ -30,8 +32,9 @@ class VLLMRollout(HTTPRollout):
             "return_token_ids": True,
             "stop_token_ids": list(params.stop_token_ids),
         }
-        if self.model:
-            body["model"] = self.model
+        adapter = self.adapter.model_for(version) if self.adapter is not None else None
+        if adapter or self.model:
+            body["model"] = adapter or self.model  # an adapter is served under its own name
         out = self.call(endpoint, "POST", "/v1/completions", body)
         try:
             choice = out["choices"][0]
@@ -80,6 +83,14 @@ class VLLMRollout(HTTPRollout):
                     self.call(ep, "POST", "/resume", None)
 
         self._each(one)
+
+    def load_adapter(self, endpoint: str, name: str, path: str) -> None:
+        # Needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the server (404 without it) and --enable-lora.
+        self.call(endpoint, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_adapter(self, endpoint: str, name: str) -> None:
+        # vLLM drops the name at once; its workers evict the weights when the slot is needed.
+        self.call(endpoint, "POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
     def pause(self, endpoint: str) -> bool:
         return self.optional(endpoint, "POST", "/pause?mode=abort", None)
