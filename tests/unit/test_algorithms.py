@@ -16,8 +16,8 @@ import torch
 
 from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TrainerSettings, TreeTrainingSettings
 from treetrain.config.algorithms import PRESETS, objective
-from treetrain.engines.base import MicroBatchOutput
 from treetrain.engines.batch import LossInputError, TokenFields, TrainBatch
+from treetrain.engines.contract import MicroBatchOutput
 from treetrain.rl.advantages import (
     advantages,
     informative_groups,

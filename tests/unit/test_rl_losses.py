@@ -11,8 +11,8 @@ import torch
 from pydantic import ValidationError
 
 from treetrain.config import LossSettings, ValueLossSettings
-from treetrain.engines.base import MicroBatchOutput
 from treetrain.engines.batch import TokenFields
+from treetrain.engines.contract import MicroBatchOutput
 from treetrain.rl.losses import LossConfigError, LossInputError, PPOLoss, ValueLoss, group_advantages
 
 
@@ -115,7 +115,7 @@ def test_a_nan_behaviour_weight_is_dropped_not_spread() -> None:
 
 
 def test_max_stats_reduce_as_maxima_and_sums_as_means() -> None:
-    from treetrain.engines.base import StatTotals
+    from treetrain.engines.stats import StatTotals
 
     totals = StatTotals(torch.device("cpu"))
     totals.add({"gap": torch.tensor(3.0), "gap_max": torch.tensor(0.5)})

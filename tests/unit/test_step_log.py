@@ -18,7 +18,7 @@ from helpers import merge, small
 
 from treetrain.cli import main
 from treetrain.config.schema import MetricsSettings
-from treetrain.engines.base import EngineConfigError
+from treetrain.engines.errors import EngineConfigError
 from treetrain.metrics import StepRecord
 from treetrain.rl.samples import Rollouts, Sample
 from treetrain.trainer.lines import format_record, health_parts

@@ -29,31 +29,13 @@ from treetrain.attention import resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
 from treetrain.engines.batch import TrainBatch
 from treetrain.engines.checkpoint import Checkpoints
-from treetrain.engines.contract import ROLES, Loss, MicroBatchOutput, MicroBatchRun, OnRun, check_role
-from treetrain.engines.errors import EngineConfigError
+from treetrain.engines.contract import Loss, MicroBatchRun, OnRun, check_role
 from treetrain.engines.layout import Layout
-from treetrain.engines.optim import Optimization, adamw, scale_grads
+from treetrain.engines.optim import Optimization, adamw
 from treetrain.engines.source import ModelSource
-from treetrain.engines.stats import LOSS_STAT, MAX_SUFFIX, StatTotals, StepStats
+from treetrain.engines.stats import LOSS_STAT, StatTotals, StepStats
 from treetrain.logprob import pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
-
-# The engine package's names, importable from here as before the core was split (rl and the
-# trainer import them so; treetrain.engines is where they are documented).
-__all__ = [
-    "MAX_SUFFIX",
-    "ROLES",
-    "Engine",
-    "EngineConfigError",
-    "Loss",
-    "MicroBatchOutput",
-    "MicroBatchRun",
-    "StatTotals",
-    "StepStats",
-    "TrainBatch",
-    "check_role",
-    "scale_grads",
-]
 
 
 def with_dtype_resolved(source: ModelSource, device: torch.device) -> ModelSource:

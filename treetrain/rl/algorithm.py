@@ -19,8 +19,9 @@ import torch
 from treetrain.config import OptimizerSettings, RoleSettings, TrainConfig, TrainerSettings, check_training_backend
 from treetrain.config.algorithms import Objective, objective
 from treetrain.engines import build_engine
-from treetrain.engines.base import Engine, StepStats
+from treetrain.engines.base import Engine
 from treetrain.engines.batch import TokenFields, TrainBatch
+from treetrain.engines.stats import StepStats
 from treetrain.rl.advantages import advantages, informative_groups, overlong_penalty
 from treetrain.rl.losses import PPOLoss, ValueLoss
 from treetrain.rl.samples import Rollouts, reply_lengths

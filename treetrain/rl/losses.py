@@ -15,8 +15,9 @@ import torch
 
 from treetrain.config import LossSettings, ValueLossSettings
 from treetrain.config.algorithms import Objective
-from treetrain.engines.base import MAX_SUFFIX, MicroBatchOutput
 from treetrain.engines.batch import LossInputError, TokenFields
+from treetrain.engines.contract import MicroBatchOutput
+from treetrain.engines.stats import MAX_SUFFIX
 from treetrain.rl.advantages import group_advantages
 
 __all__ = ["LossConfigError", "LossInputError", "PPOLoss", "ValueLoss", "group_advantages", "segment_mean"]

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from treetrain.engines.base import Engine, Loss
+from treetrain.engines.base import Engine
 from treetrain.engines.batch import TrainBatch
+from treetrain.engines.contract import Loss
 
 
 @dataclass(frozen=True, slots=True)

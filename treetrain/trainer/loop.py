@@ -19,8 +19,9 @@ import torch
 
 from treetrain.config import Launch, TrainConfig, check_training_backend
 from treetrain.engines import build_engine, builtin
-from treetrain.engines.base import Engine, EngineConfigError
+from treetrain.engines.base import Engine
 from treetrain.engines.batch import TrainBatch
+from treetrain.engines.errors import EngineConfigError
 from treetrain.metrics import StepRecord, TrainerMetrics
 from treetrain.rl.algorithm import Algorithm
 from treetrain.rl.limits import TaskClock, TaskInterrupted

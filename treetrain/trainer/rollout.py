@@ -23,7 +23,7 @@ from treetrain.config import Launch, TrainConfig
 from treetrain.config.schema import max_staleness
 from treetrain.engines.base import Engine
 from treetrain.engines.errors import CheckpointUnreadableError
-from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.layout import Layout
 from treetrain.proxy.server import ProxyServer
 from treetrain.rl.episodes import EpisodeSource, TaskSource
 from treetrain.rl.limits import TaskClock
@@ -70,7 +70,7 @@ class Rollout:
         *,
         data: RunData,
         client: RolloutClient | None,
-        layout: ParallelLayout,
+        layout: Layout,
         launch: Launch,
         progress: RolloutProgress,
         clock: TaskClock,

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from treetrain.engines.base import Engine, EngineConfigError
-from treetrain.engines.errors import CheckpointUnreadableError
-from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.base import Engine
+from treetrain.engines.errors import CheckpointUnreadableError, EngineConfigError
+from treetrain.engines.layout import Layout
 from treetrain.trainer.checkpoints import Checkpoints, no_space, space_message, tree_bytes
 from treetrain.trainer.data import RunData
 from treetrain.trainer.rollout import Rollout
@@ -32,7 +32,7 @@ class RunCheckpoints:
         self,
         checkpoints: Checkpoints,
         engines: list[Engine],
-        layout: ParallelLayout,
+        layout: Layout,
         *,
         rollout: Rollout,
         data: RunData,

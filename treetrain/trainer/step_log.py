@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from treetrain.config.schema import MetricsSettings, WandbMode
-from treetrain.engines.base import EngineConfigError
+from treetrain.engines.errors import EngineConfigError
 from treetrain.metrics import StepRecord, TrainerMetrics
 from treetrain.rl.advantages import informative_groups
 from treetrain.rl.algorithm import Update

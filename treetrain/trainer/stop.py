@@ -19,14 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from treetrain.engines.parallel import ParallelLayout
+from treetrain.engines.layout import Layout
 from treetrain.trainer.ticker import Ticker
 
 
 class StopSignal:
     """See the module docstring. ``stop_soon``: called from the handler, once per signal."""
 
-    def __init__(self, layout: ParallelLayout, ticker: Ticker, stop_soon: Callable[[], None]) -> None:
+    def __init__(self, layout: Layout, ticker: Ticker, stop_soon: Callable[[], None]) -> None:
         self.layout, self.ticker, self.stop_soon = layout, ticker, stop_soon
         self.requested = False
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch.distributed as dist
 
 from treetrain.config import RolloutServers
-from treetrain.engines.base import Engine, EngineConfigError
+from treetrain.engines.base import Engine
+from treetrain.engines.errors import EngineConfigError
 from treetrain.rl.rollout import HTTPRollout, LocalRollout, MixedRollout, RolloutClient, WeightGate
 from treetrain.rl.weight_sync import WeightSender
 from treetrain.trainer.checkpoints import Checkpoints
