@@ -20,6 +20,9 @@ Which engine does what is its description's ``sixteen_bit`` and ``shards_over``
 - ``fp32_master`` engines (``megatron``) keep bf16 parameters and gradients for ``bfloat16`` and an fp32 master copy in
   its sharded optimizer (``engines/zero.py``, a group of one on one rank); ``float16`` keeps
   fp32 parameters under autocast (there is no loss scaler).
+- With LoRA (every engine) the frozen base is stored in the compute dtype (it is never
+  stepped, so it needs no fp32 copy) and the adapter in fp32 (AdamW steps it), cast to the
+  compute dtype where it is applied; FSDP2 wraps the model only to shard it.
 """
 
 from __future__ import annotations
@@ -64,11 +67,12 @@ class Precision:
     master: bool = False
     fsdp: bool = False
     autocast: bool = False
+    adapter: str | None = None  # LoRA: the adapter's dtype (fp32); the frozen base is ``params``
 
     @property
     def steps_fp32(self) -> bool:
         """The optimizer updates fp32 weights (always true: the point of this rule)."""
-        return self.params == "float32" or self.master
+        return self.params == "float32" or self.master or self.adapter == "float32"
 
 
 def fsdp_group(engine: str, dims: ParallelDims) -> int:
@@ -77,15 +81,18 @@ def fsdp_group(engine: str, dims: ParallelDims) -> int:
     return spec_of(engine).shard_size(dims)
 
 
-def precision(engine: str, dims: ParallelDims, dtype: str) -> Precision:
+def precision(engine: str, dims: ParallelDims, dtype: str, *, lora: bool = False) -> Precision:
     """The precision rule for the training engine ``engine`` on layout ``dims`` with the
-    resolved ``model.dtype`` ``dtype`` (see :func:`resolve_dtype`)."""
+    resolved ``model.dtype`` ``dtype`` (see :func:`resolve_dtype`); ``lora``: a frozen base
+    with an fp32 adapter."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)} (resolve 'auto' first)")
     if engine not in names("training"):
         raise ValueError(f"no precision rule for the {engine!r} engine")
     spec = spec_of(engine)
     low = dtype != "float32"
+    if lora:
+        return Precision(compute=dtype, params=dtype, fsdp=spec.shard_size(dims) > 1, adapter="float32")
     if spec.sixteen_bit == "fp32_master":
         if dtype == "bfloat16":
             return Precision(compute=dtype, params=dtype, master=True)

@@ -17,6 +17,7 @@ from treetrain.config import catalog
 from treetrain.config.algorithms import objective
 from treetrain.config.backends import check_training_backend
 from treetrain.config.errors import EngineConfigError
+from treetrain.config.lora import lora_problems
 from treetrain.config.schema import (
     BUILTIN_REWARDS,
     IMPORT_STRING_FORM,
@@ -99,6 +100,12 @@ def check_actor(s: Sections) -> list[Problem]:
     names = ("blockSize", "t*c" if found.dims.cp > 1 else "t")
     why = capacity_problem(tree.max_tokens_per_mb, tree.block_size, found.alignment, names=names)
     return [("actor.treeTraining.maxTokensPerMicrobatch", f"{tree.max_tokens_per_mb} {why}")] if why else []
+
+
+def check_lora(s: Sections) -> list[Problem]:
+    if s.actor.lora is None or not s.fine("actor.lora"):
+        return []
+    return lora_problems(s.actor.lora, _actor_allocation(s))
 
 
 def check_roles(s: Sections) -> list[Problem]:
@@ -417,6 +424,7 @@ def check_text_model(s: Sections) -> list[Problem]:
 CHECKS: tuple[Callable[[Sections], list[Problem]], ...] = (
     check_model,
     check_actor,
+    check_lora,
     check_roles,
     check_algorithm,
     check_rollout,

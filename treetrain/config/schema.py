@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from treetrain.alloc.registry import default_training, names, prefixes
+from treetrain.config.lora import LoraSettings
 from treetrain.tree.pack import DEFAULT_BLOCK_SIZE
 
 AttentionName = Literal["auto", "flex", "triton", "sparse", "dense"]
@@ -101,6 +102,9 @@ class ActorSettings(Section):
         description=f"Training backend string: {prefixes('training')} (e.g. {default_training()}:d4t2).",
     )
     tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
+    lora: LoraSettings | None = Field(
+        default=None, description="Train a LoRA adapter on a frozen base; unset: every weight."
+    )
 
 
 class RoleSettings(Section):

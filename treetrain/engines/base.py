@@ -17,25 +17,32 @@ it fixes before the micro-batch loop, so uneven micro-batches still give the bat
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from treetrain.alloc import Allocation
+from treetrain.alloc.lora import LoraTargetError, valid_targets
 from treetrain.alloc.precision import precision, resolve_dtype
 from treetrain.attention import resolve
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.config.lora import LoraSettings
 from treetrain.engines.batch import TrainBatch
 from treetrain.engines.checkpoint import Checkpoints
 from treetrain.engines.contract import Loss, MicroBatchRun, OnRun, check_role
+from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.layout import Layout
+from treetrain.engines.lora import Adapters
 from treetrain.engines.optim import Optimization, adamw
 from treetrain.engines.source import ModelSource
 from treetrain.engines.stats import LOSS_STAT, StatTotals, StepStats
 from treetrain.logprob import pack_sequence_tensors, unpack_sequence_tensors
 from treetrain.tree import PackConfig, PackedBatch, PackedTree, pack
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's PEFT adapter directory
 
 
 def with_dtype_resolved(source: ModelSource, device: torch.device) -> ModelSource:
@@ -47,7 +54,7 @@ def with_dtype_resolved(source: ModelSource, device: torch.device) -> ModelSourc
     return replace(source, settings=source.settings.model_copy(update={"dtype": dtype}))
 
 
-class Engine(Checkpoints, Optimization):
+class Engine(Checkpoints, Optimization, Adapters):
     """Build from a model and a parallel layout; train with or without tree packing.
 
     The core owns the lifecycle once: the constructor prologue, ``forward`` and
@@ -75,18 +82,22 @@ class Engine(Checkpoints, Optimization):
         optimizer: OptimizerSettings | None = None,
         *,
         role: str = "actor",
+        lora: LoraSettings | None = None,
     ) -> None:
         """Everything every engine checks and sets before it builds its model: the role, the
         resolved model source, the tree settings, the engine's own layout checks
         (:meth:`_prepare`), the attention backend (a trained role needs one with a backward
         on this device: that fails here, not in the first step) and the packer's capacity;
-        then the engine's model (:meth:`_build`) and optimizer (:meth:`_build_optimizer`)."""
+        then the engine's model (:meth:`_build`) and optimizer (:meth:`_build_optimizer`).
+        ``lora``: train an adapter over the frozen base (an actor's; docs/engines.md, LoRA)."""
         check_role(role)
         source = model if isinstance(model, ModelSource) else ModelSource.resolve(model)
         self.source = with_dtype_resolved(source, layout.device)
         self.settings = self.source.settings
         self.layout = layout
-        self.precision = precision(self.engine_name, layout.allocation.dims, self.settings.dtype)
+        self.lora = lora
+        self.lora_targets = self._resolve_lora(lora, role)
+        self.precision = precision(self.engine_name, layout.allocation.dims, self.settings.dtype, lora=lora is not None)
         self.tree = tree
         self.role = role
         self.block_size = tree.block_size
@@ -97,11 +108,25 @@ class Engine(Checkpoints, Optimization):
         self.steps = 0
         self._sampler = None
         self._build()
+        if lora is not None:
+            self._init_adapter()  # B = 0: the adapted model starts as the base
         self.optimizer = self._build_optimizer(optimizer)
 
     def _prepare(self) -> None:
         """Engine checks of the model against the layout, before anything is built."""
         return
+
+    def _resolve_lora(self, lora: LoraSettings | None, role: str) -> tuple[str, ...]:
+        """The projections ``lora`` adapts in this model (its ``model_type``'s)."""
+        if lora is None:
+            return ()
+        if role != "actor":
+            raise EngineConfigError(f"LoRA trains the actor; the {role} is built without it")
+        family = str(getattr(self.source.config, "model_type", ""))
+        try:
+            return lora.targets(valid_targets(family), model=f"a {family} model")
+        except LoraTargetError as err:
+            raise EngineConfigError(f"actor.lora: {err}") from None
 
     @abstractmethod
     def _build(self) -> None:
@@ -110,6 +135,13 @@ class Engine(Checkpoints, Optimization):
     def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
         """The optimizer, once :attr:`model` is built (None: forward only)."""
         return adamw(self.model, settings)
+
+    def save(self, path: Path, extra: Mapping[str, Any]) -> None:
+        """A resumable checkpoint (the core's :meth:`Checkpoints.save`); with LoRA it holds the
+        adapter and its optimizer state only, plus the adapter as a PEFT directory (``adapter/``)."""
+        super().save(path, extra)
+        if self.lora is not None:
+            self.export_adapter(path / ADAPTER_DIR)
 
     @property
     def vocab_size(self) -> int:

@@ -17,6 +17,7 @@ from treetrain.alloc import Allocation
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings, check_training_backend
 from treetrain.config.backends import check_engine_support
 from treetrain.config.errors import EngineConfigError
+from treetrain.config.lora import LoraSettings
 from treetrain.config.schema import DType
 from treetrain.engines import builtin, weights
 from treetrain.engines.base import Engine
@@ -31,6 +32,7 @@ def build_engine(
     tree: TreeTrainingSettings | None = None,
     optimizer: OptimizerSettings | None = None,
     dtype: str = "auto",
+    lora: LoraSettings | None = None,
 ) -> Engine:
     """The engine that runs ``backend`` (``fsdp:d4t2``, or the :class:`Allocation` config
     validation parsed it into: the trainer passes that, so a pod parses each string once)
@@ -42,7 +44,8 @@ def build_engine(
     CUDA and float32 on the CPU (:func:`treetrain.alloc.precision.resolve_dtype`). ``role``: ``actor`` and ``ref``
     give log-probs, ``critic`` a value model. ``tree``: packing, block size and attention
     (None: the defaults). ``optimizer``: None builds a forward-only engine (a reference
-    model, or scoring). ``engine.forward(sequences)`` returns per-sequence log-probs (actor,
+    model, or scoring). ``lora``: train a LoRA adapter over the frozen base (an actor's;
+    ``actor.lora``). ``engine.forward(sequences)`` returns per-sequence log-probs (actor,
     ref) or values (critic) in input order.
 
     Everything that can be checked before joining the process group is (role, dtype, model
@@ -73,7 +76,8 @@ def build_engine(
     allocation = check_engine_support(backend) if isinstance(backend, Allocation) else check_training_backend(backend)
     engine_class = engine_class_of(allocation)
     layout = engine_class.init_layout(allocation)
-    return engine_class(settings, layout, tree if tree is not None else TreeTrainingSettings(), optimizer, role=role)
+    tree = tree if tree is not None else TreeTrainingSettings()
+    return engine_class(settings, layout, tree, optimizer, role=role, lora=lora)
 
 
 def engine_class_of(allocation: Allocation) -> type[Engine]:

@@ -15,12 +15,13 @@ from treetrain.engines.sampler import LocalSampler
 
 def adamw(model: torch.nn.Module, settings: Any) -> torch.optim.Optimizer | None:
     """The optimizer every engine trains with (``settings``: an ``OptimizerSettings``, or None
-    for a forward-only engine, whose parameters then need no gradient)."""
+    for a forward-only engine, whose parameters then need no gradient). It steps the parameters
+    that require a gradient: all of them, or a LoRA adapter's over a frozen base."""
     if settings is None:
         model.requires_grad_(False)
         return None
     return torch.optim.AdamW(
-        model.parameters(),
+        [p for p in model.parameters() if p.requires_grad],
         lr=settings.lr,
         betas=(settings.betas[0], settings.betas[1]),
         eps=settings.eps,

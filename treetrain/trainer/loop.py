@@ -96,7 +96,9 @@ class Trainer:
         tree = cfg.actor.tree_training
         # The Allocation config validation parsed (check_training_backend caches it): parsed once per pod.
         backend = check_training_backend(cfg.actor.backend)
-        self.actor: Engine = build_engine(cfg.model, backend, role="actor", tree=tree, optimizer=t.optimizer)
+        self.actor: Engine = build_engine(
+            cfg.model, backend, role="actor", tree=tree, optimizer=t.optimizer, lora=cfg.actor.lora
+        )
         self.layout = self.actor.layout
         self.main = self.layout.is_main
         self.ticker = Ticker(self._log, t.progress_seconds, self.progress, t.steps)
