@@ -380,9 +380,35 @@ def training() -> dashboard.Dashboard:
         .with_panel(
             series(
                 "Weight version",
-                "The weight version the trainer last synced to the rollout servers.",
+                "The weight version the trainer last synced to the rollout servers, and with LoRA adapter sync the "
+                "adapter version every server listed after it (the same number when syncs are verified).",
                 "short",
-                [query(f"max by ({BY}) (treetrain_weight_version{{{SEL}}})", "{{namespace}}/{{rljob}}")],
+                [
+                    query(f"max by ({BY}) (treetrain_weight_version{{{SEL}}})", "{{namespace}}/{{rljob}} weights"),
+                    query(f"max by ({BY}) (treetrain_adapter_version{{{SEL}}})", "{{namespace}}/{{rljob}} adapter"),
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Weight sync time",
+                "Wall time of the last weight sync (export and every server's load), by payload: adapter (LoRA "
+                "adapter alone) or full (full weights, a merged adapter's included).",
+                "s",
+                [
+                    query(
+                        f"max by ({BY}, payload) (treetrain_weight_sync_seconds{{{SEL}}})",
+                        "{{rljob}} {{payload}}",
+                    )
+                ],
+            ).min(0)
+        )
+        .with_panel(
+            series(
+                "Weight sync size",
+                "Bytes each rollout server received in the last weight sync, by payload (adapter or full).",
+                "bytes",
+                [query(f"max by ({BY}, payload) (treetrain_weight_sync_bytes{{{SEL}}})", "{{rljob}} {{payload}}")],
             ).min(0)
         )
         .with_panel(

@@ -29,6 +29,10 @@ CONTRACT_NAMES = {
     "treetrain_rollout_groups_dropped": "counter",  # treetrain_rollout_groups_dropped_total{reason=...}
     "treetrain_rollout_resubmitted": "counter",  # treetrain_rollout_resubmitted_total
     "treetrain_weight_version": "gauge",
+    # Weight sync to rollout servers: the last sync's seconds and bytes by payload, the adapter version.
+    "treetrain_weight_sync_seconds": "gauge",  # {payload="adapter"|"full"}
+    "treetrain_weight_sync_bytes": "gauge",  # {payload="adapter"|"full"}
+    "treetrain_adapter_version": "gauge",  # 0 (the base model) without LoRA adapter sync
     # Agents and datasets (the proxy, the reward function, evaluation), exported by every run.
     "treetrain_proxy_requests": "counter",  # treetrain_proxy_requests_total{code=...}
     "treetrain_proxy_sessions_open": "gauge",
@@ -229,3 +233,27 @@ def test_the_agent_metrics_count_increments_of_cumulative_figures() -> None:
     assert value("treetrain_reward_failures_total", reason="error") == 1
     assert value("treetrain_reward_failures_total", reason="timeout") == 2
     assert value("treetrain_eval_reward") == 0.625
+
+
+def test_the_weight_sync_figures_by_payload() -> None:
+    """The last sync's seconds and bytes under its payload, both payloads at 0 from the start (a
+    run with local rollout sends nothing); the adapter version 0 (the base model) until an adapter
+    sync reports one."""
+    metrics = M.TrainerMetrics()
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float | None:
+        return metrics.registry.get_sample_value(name, labels or {})
+
+    metrics.observe_sync(None)
+    assert value("treetrain_adapter_version") == 0
+    assert value("treetrain_weight_sync_bytes", {"payload": "adapter"}) == 0
+    assert value("treetrain_weight_sync_seconds", {"payload": "full"}) == 0
+    metrics.observe_sync(M.SyncRecord("adapter", 0.5, 1200, 3, adapter_version=3))
+    metrics.observe_sync(M.SyncRecord("adapter", 0.25, 1300, 4, adapter_version=4))
+    assert value("treetrain_weight_sync_seconds", {"payload": "adapter"}) == 0.25
+    assert value("treetrain_weight_sync_bytes", {"payload": "adapter"}) == 1300
+    assert value("treetrain_adapter_version") == 4
+    assert value("treetrain_weight_sync_bytes", {"payload": "full"}) == 0
+    metrics.observe_sync(M.SyncRecord("full", 2.0, 540_000_000, 5))
+    assert value("treetrain_weight_sync_bytes", {"payload": "full"}) == 540_000_000
+    assert value("treetrain_adapter_version") == 4

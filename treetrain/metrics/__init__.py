@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from treetrain.metrics.names import (
+    ADAPTER_VERSION,
     CAP_REASONS,
     CLIP_FRACTION,
     DEFAULT_PORT,
@@ -39,18 +40,22 @@ from treetrain.metrics.names import (
     STEP_DURATION_SECONDS,
     STEP_TOKENS_PER_SECOND,
     STEPS_TOTAL,
+    SYNC_PAYLOADS,
     TOKEN_KINDS,
     TOKENS_TOTAL,
     TRAIN_TOKENS_PER_SECOND,
     TRAINER_IDLE_SECONDS_TOTAL,
     TREE_TOKEN_RATIO,
+    WEIGHT_SYNC_BYTES,
+    WEIGHT_SYNC_SECONDS,
     WEIGHT_VERSION,
     ZERO_SIGNAL_GROUPS_TOTAL,
 )
-from treetrain.metrics.record import StepRecord
+from treetrain.metrics.record import StepRecord, SyncRecord
 from treetrain.metrics.registry import OptionalGauge, TrainerMetrics
 
 __all__ = [
+    "ADAPTER_VERSION",
     "CAP_REASONS",
     "CLIP_FRACTION",
     "DEFAULT_PORT",
@@ -86,14 +91,18 @@ __all__ = [
     "STEP_BUCKETS",
     "STEP_DURATION_SECONDS",
     "STEP_TOKENS_PER_SECOND",
+    "SYNC_PAYLOADS",
     "TOKENS_TOTAL",
     "TOKEN_KINDS",
     "TRAINER_IDLE_SECONDS_TOTAL",
     "TRAIN_TOKENS_PER_SECOND",
     "TREE_TOKEN_RATIO",
+    "WEIGHT_SYNC_BYTES",
+    "WEIGHT_SYNC_SECONDS",
     "WEIGHT_VERSION",
     "ZERO_SIGNAL_GROUPS_TOTAL",
     "OptionalGauge",
     "StepRecord",
+    "SyncRecord",
     "TrainerMetrics",
 ]

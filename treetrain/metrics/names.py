@@ -24,6 +24,11 @@ TRAINER_IDLE_SECONDS_TOTAL = "treetrain_trainer_idle_seconds_total"
 ROLLOUT_GROUPS_DROPPED_TOTAL = "treetrain_rollout_groups_dropped_total"
 ROLLOUT_RESUBMITTED_TOTAL = "treetrain_rollout_resubmitted_total"
 WEIGHT_VERSION = "treetrain_weight_version"
+# Weight sync (remote rollout): the last sync's wall time and bytes per server, by what it sent,
+# and with LoRA adapter sync the adapter version every server listed.
+WEIGHT_SYNC_SECONDS = "treetrain_weight_sync_seconds"
+WEIGHT_SYNC_BYTES = "treetrain_weight_sync_bytes"
+ADAPTER_VERSION = "treetrain_adapter_version"
 # Agents and datasets: rank 0's OpenAI-compatible proxy, the reward function, evaluation.
 PROXY_REQUESTS_TOTAL = "treetrain_proxy_requests_total"
 PROXY_SESSIONS_OPEN = "treetrain_proxy_sessions_open"
@@ -53,6 +58,9 @@ DROP_REASONS = ("filtered", "failed")
 # Label values of PROXY_FRESH_RENDERS_TOTAL{reason=...}: why a chat request was rendered afresh
 # instead of extending an earlier completion's tokens (treetrain.proxy.chat counts them).
 FRESH_REASONS = ("edited", "template")
+# Label values of WEIGHT_SYNC_SECONDS/BYTES{payload=...}: the LoRA adapter alone, or full weights
+# (the merged adapter's included).
+SYNC_PAYLOADS = ("adapter", "full")
 # Label values of REWARD_FAILURES_TOTAL{reason=...}: the reward function raised, or ran too long.
 REWARD_FAILURE_REASONS = ("error", "timeout")
 # Replies range from a few tokens (tiny test tasks) to tens of thousands (long reasoning).
@@ -82,6 +90,9 @@ NAMES = (
     ROLLOUT_GROUPS_DROPPED_TOTAL,
     ROLLOUT_RESUBMITTED_TOTAL,
     WEIGHT_VERSION,
+    WEIGHT_SYNC_SECONDS,
+    WEIGHT_SYNC_BYTES,
+    ADAPTER_VERSION,
     PROXY_REQUESTS_TOTAL,
     PROXY_SESSIONS_OPEN,
     PROXY_FRESH_RENDERS_TOTAL,

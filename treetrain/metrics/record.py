@@ -74,3 +74,17 @@ class StepRecord:
     clip_fraction = _stat("clip_fraction")
     ratio_mean = _stat("ratio")
     ratio_max = _stat("ratio_max")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRecord:
+    """One weight sync: what it sent (``payload``: ``adapter``, or ``full`` for full weights, the
+    merged adapter's included), its wall time (export and every server's load), the bytes each
+    server received, the weight version, and the adapter version the servers then listed (None
+    without adapter sync)."""
+
+    payload: str
+    seconds: float
+    bytes: int
+    version: int
+    adapter_version: int | None = None

@@ -16,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from treetrain.metrics.names import (
+    ADAPTER_VERSION,
     CAP_REASONS,
     CLIP_FRACTION,
     DEFAULT_PORT,
@@ -47,15 +48,18 @@ from treetrain.metrics.names import (
     STEP_DURATION_SECONDS,
     STEP_TOKENS_PER_SECOND,
     STEPS_TOTAL,
+    SYNC_PAYLOADS,
     TOKEN_KINDS,
     TOKENS_TOTAL,
     TRAIN_TOKENS_PER_SECOND,
     TRAINER_IDLE_SECONDS_TOTAL,
     TREE_TOKEN_RATIO,
+    WEIGHT_SYNC_BYTES,
+    WEIGHT_SYNC_SECONDS,
     WEIGHT_VERSION,
     ZERO_SIGNAL_GROUPS_TOTAL,
 )
-from treetrain.metrics.record import StepRecord
+from treetrain.metrics.record import StepRecord, SyncRecord
 
 
 class OptionalGauge(Collector):
@@ -154,6 +158,25 @@ class TrainerMetrics:
             registry=r,
         )
         self.weight_version = Gauge(WEIGHT_VERSION, "The weight version the trainer last synced.", registry=r)
+        self.sync_seconds = Gauge(
+            WEIGHT_SYNC_SECONDS,
+            "Wall time of the last weight sync (export and every server's load), by payload: adapter (LoRA "
+            "adapter alone) or full (full weights, a merged adapter's included).",
+            ["payload"],
+            registry=r,
+        )
+        self.sync_bytes = Gauge(
+            WEIGHT_SYNC_BYTES,
+            "Bytes each rollout server received in the last weight sync, by payload.",
+            ["payload"],
+            registry=r,
+        )
+        self.adapter_version = Gauge(
+            ADAPTER_VERSION,
+            "The LoRA adapter version every rollout server listed after the last sync (0: the base model, no "
+            "adapter; stays 0 without adapter sync).",
+            registry=r,
+        )
         self.proxy_requests = Counter(
             PROXY_REQUESTS_TOTAL.removesuffix("_total"),
             "Requests the agent proxy answered, by HTTP status code.",
@@ -220,6 +243,9 @@ class TrainerMetrics:
             self.proxy_fresh_renders.labels(reason=reason)
         for reason in REWARD_FAILURE_REASONS:
             self.reward_failures.labels(reason=reason)
+        for payload in SYNC_PAYLOADS:  # 0 until a sync of that payload (local rollout sends nothing)
+            self.sync_seconds.labels(payload=payload)
+            self.sync_bytes.labels(payload=payload)
         self._seen: dict[tuple[str, str], float] = {}  # cumulative counts last exported (observe_agents)
         self._server: Any = None
 
@@ -262,6 +288,15 @@ class TrainerMetrics:
         for length in fig.response_lengths:
             self.response_length.observe(length)
         self.zero_signal_groups.inc(fig.zero_signal_groups)
+
+    def observe_sync(self, sync: SyncRecord | None) -> None:
+        """The last weight sync's figures (None: no sync went to servers, as with local rollout)."""
+        if sync is None:
+            return
+        self.sync_seconds.labels(payload=sync.payload).set(sync.seconds)
+        self.sync_bytes.labels(payload=sync.payload).set(sync.bytes)
+        if sync.adapter_version is not None:
+            self.adapter_version.set(sync.adapter_version)
 
     def observe_agents(self, proxy: dict[str, Any] | None, reward_failures: dict[str, int] | None) -> None:
         """Export the proxy's counters (``ProxyStats.snapshot()``) and the reward runner's failures:
