@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from treetrain.config import Launch, TrainConfig, check_training_backend
+from treetrain.config.schema import max_staleness
 from treetrain.engines import build_engine, builtin
 from treetrain.engines.base import Engine
 from treetrain.engines.batch import TrainBatch
@@ -112,7 +113,13 @@ class Trainer:
         if self.client is not None:
             self.client.vocab_size = self.actor.vocab_size  # servers' answers are checked against the trained model
         self.weights = WeightSync(
-            actor=self.actor, client=self.client, checkpoints=self.checkpoints, settings=cfg.rollout, log=self.log
+            actor=self.actor,
+            client=self.client,
+            checkpoints=self.checkpoints,
+            settings=cfg.rollout,
+            log=self.log,
+            lora=cfg.actor.lora,
+            max_staleness=max_staleness(t.rollout, cfg.rollout.servers),
         )
         self.stop = StopSignal(self.layout, self.ticker, self._stop_soon)
         self.progress.should_stop = self.stop.generation_check
@@ -257,6 +264,7 @@ class Trainer:
         )
         if self.main:
             self.metrics.observe_step(record)
+            self.metrics.observe_sync(self.weights.last)
             self.metrics.observe_agents(self.rollout.proxy_figures(), self.data.reward_failures())
             if eval_reward is not None:
                 self.metrics.observe_eval(eval_reward)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treetrain.rl.rollout.base import RolloutError
@@ -101,6 +102,19 @@ def sync_adapter(client: HTTPRollout, endpoint: str, path: str, version: int, sl
         raise RolloutError(
             f"weight sync: {endpoint} still lists {_names(extra, slots)} after loading {name} "
             f"(at most {slots.keep} versions of {slots.name} may be loaded)"
+        )
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def check_adapter_dir(path: str) -> None:
+    """A PEFT adapter directory a server can load, or RolloutError naming what is missing (a server
+    answers a path it cannot read with an error that names no file)."""
+    missing = [f for f in ADAPTER_FILES if not (Path(path) / f).is_file()]
+    if missing:
+        raise RolloutError(
+            f"adapter at {path} is incomplete (missing {', '.join(missing)}): not asking the servers to load it"
         )
 
 
