@@ -31,6 +31,7 @@ class Checkpoints(LocalSampler):
             "extra": dict(extra),
             "model": self.settings.path,
             "engine": self.engine_name,
+            "lora": self.lora_summary(),
         }
         self._write(path, meta)
 
@@ -54,6 +55,12 @@ class Checkpoints(LocalSampler):
                 f"checkpoint {path} was written for model {model!r} by the {engine} engine, but this run trains "
                 f"{self.settings.path!r} with {self.engine_name}; fix: give this run a new checkpoint.dir "
                 "(or restore the old settings)"
+            )
+        lora, mine = meta.get("lora"), self.lora_summary()
+        if lora != mine:
+            raise EngineConfigError(
+                f"checkpoint {path} trained {_trained(lora)}, but this run trains {_trained(mine)}; fix: give this run "
+                "a new checkpoint.dir (or restore actor.lora)"
             )
 
     def _dcp_state(self) -> dict[str, Any]:
@@ -93,3 +100,9 @@ class Checkpoints(LocalSampler):
             empty=self._dcp_state,
             optim_options=self._optim_options(),
         )
+
+
+def _trained(lora: Mapping[str, Any] | None) -> str:
+    if lora is None:
+        return "every weight"
+    return f"a LoRA adapter of rank {lora['rank']} (alpha {lora['alpha']}) on {', '.join(lora['targets'])}"

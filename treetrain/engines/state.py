@@ -5,11 +5,13 @@ checkpoints, the local-rollout sampler) and for the engines."""
 from __future__ import annotations
 
 from abc import ABC
+from typing import Any
 
 import torch
 
 from treetrain.alloc.precision import Precision
 from treetrain.config import ModelSettings, OptimizerSettings, TreeTrainingSettings
+from treetrain.config.lora import LoraSettings
 from treetrain.engines.layout import Layout
 from treetrain.engines.source import ModelSource
 
@@ -31,6 +33,14 @@ class EngineState(ABC):
     optim: OptimizerSettings | None  # None: forward only (a reference model)
     optimizer: torch.optim.Optimizer | None
     precision: Precision  # the dtypes this engine computes in and keeps its weights in
+    lora: LoraSettings | None  # a LoRA adapter over the frozen base (None: every weight trains)
+    lora_targets: tuple[str, ...]  # the projections it adapts in this model
+
+    def lora_summary(self) -> dict[str, Any] | None:
+        """What a checkpoint records of the adapter (a resume needs the same)."""
+        if self.lora is None:
+            return None
+        return {"rank": self.lora.rank, "alpha": self.lora.lora_alpha, "targets": list(self.lora_targets)}
 
     @property
     def engine_name(self) -> str:

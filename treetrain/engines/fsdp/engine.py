@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.layout import FSDPLayout, init_layout
 from treetrain.engines.fsdp.model import build_parallel
+from treetrain.engines.lora import Adapter
+from treetrain.engines.lora.linear import is_adapter
 from treetrain.engines.precision import torch_dtype
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackedTree
@@ -39,7 +42,47 @@ class FSDPEngine(Engine):
     init_layout = staticmethod(init_layout)
 
     def _build(self) -> None:
-        self.model: nn.Module = build_parallel(self.source, self.role, self.layout, self.precision)
+        lora = (self.lora, self.lora_targets) if self.lora is not None else None
+        self.model: nn.Module = build_parallel(self.source, self.role, self.layout, self.precision, lora)
+
+    # -- LoRA (treetrain/engines/lora/core.py) -----------------------------------------------
+    def _lora_modules(self) -> dict[str, tuple[int, int]]:
+        out = {}
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.Linear) and hasattr(module, "lora_A"):
+                n_out, n_in = module.weight.shape  # a DTensor's global shape
+                out[name] = (int(n_in), int(n_out))
+        return out
+
+    def _lora_full(self, *, everywhere: bool, grads: bool = False) -> Adapter | None:
+        full = {}
+        for name, p in self.model.named_parameters():  # the same order on every rank
+            if is_adapter(name):
+                t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                full[name] = t.detach().cpu()
+        if not (everywhere or self.layout.is_main):
+            return None
+        return {m: (full[f"{m}.lora_A.weight"], full[f"{m}.lora_B.weight"]) for m in self._lora_modules()}
+
+    def _lora_set(self, adapter: Adapter) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import FSDPModule
+
+        state: dict[str, Any] = {}
+        for module, (a, b) in adapter.items():
+            state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"] = a, b
+        for unit in self.model.modules():  # the root stays gathered after a forward: shard it again first
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def _optim_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # A LoRA checkpoint holds the adapter (and its optimizer state), not the frozen base.
+        # (strict=False: the frozen base is not in it; the metadata's "lora" says it is this run's adapter.)
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.lora is not None else None
 
     # -- one micro-batch -------------------------------------------------------------------
     def _run(self, tree: PackedTree, *, entropy: bool) -> MicroBatchRun:
@@ -84,17 +127,19 @@ class FSDPEngine(Engine):
     def hf_weights(self) -> dict[str, torch.Tensor] | None:
         """Full (unsharded) weights by Hugging Face name in ``model.dtype`` (what rollout servers
         load: fp32 master weights are cast, as Archon's export does), gathered to rank 0's CPU;
-        every rank joins."""
+        every rank joins. With LoRA, the merged ``W + (alpha / r) B A``."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         if self.role == "critic":
             raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        if not self.layout.is_main:
+        base = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not is_adapter(k)}
+        merged = self._merged(base if self.layout.is_main else None)  # LoRA: W + scale B A (a gather)
+        if merged is None:
             return None
         dtype = torch_dtype(self.precision.compute)
-        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in merged.items()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients by parameter name (tests and parity scripts)."""

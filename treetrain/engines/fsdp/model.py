@@ -11,14 +11,17 @@ import torch.distributed as dist
 from torch import nn
 
 from treetrain.alloc.precision import Precision
+from treetrain.config.lora import LoraSettings
 from treetrain.engines.fsdp.layout import FSDPLayout
 from treetrain.engines.fsdp.parallelize import parallelize
 from treetrain.engines.hf_model import build_model
 from treetrain.engines.precision import torch_dtype
 from treetrain.engines.source import ModelSource
 
+LoRA = tuple[LoraSettings, tuple[str, ...]] | None  # an adapter's settings and targets
 
-def load_sharded(source: ModelSource, role: str, layout: FSDPLayout, prec: Precision) -> nn.Module:
+
+def load_sharded(source: ModelSource, role: str, layout: FSDPLayout, prec: Precision, lora: LoRA = None) -> nn.Module:
     """Several ranks, weights from a directory: build on the meta device, shard, then load.
 
     Only rank 0 reads the checkpoint (one full copy in host memory, not one per rank); every
@@ -30,10 +33,11 @@ def load_sharded(source: ModelSource, role: str, layout: FSDPLayout, prec: Preci
 
     dtype = torch_dtype(prec.params)
     full_model = build_model(source, role, dtype=dtype) if layout.is_main else None
-    model = parallelize(build_model(source, role, meta=True, dtype=dtype), layout, prec)
+    model = parallelize(build_model(source, role, meta=True, dtype=dtype), layout, prec, *(lora or (None, ())))
     model.to_empty(device=layout.device)
     full = full_model.state_dict() if full_model is not None else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # The adapter is not in the checkpoint: the engine loads it next.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=lora is None)
     set_model_state_dict(model, full, options=options)
     src_buffers = dict(full_model.named_buffers()) if full_model is not None else {}
     with torch.no_grad():
@@ -45,10 +49,11 @@ def load_sharded(source: ModelSource, role: str, layout: FSDPLayout, prec: Preci
     return model
 
 
-def build_parallel(source: ModelSource, role: str, layout: FSDPLayout, prec: Precision) -> nn.Module:
+def build_parallel(source: ModelSource, role: str, layout: FSDPLayout, prec: Precision, lora: LoRA = None) -> nn.Module:
     """One role's model spread over ``layout``, on ``layout.device``, identical on every rank;
-    parameters in ``prec.params`` (the precision rule)."""
+    parameters in ``prec.params`` (the precision rule). ``lora``: the settings and targets of
+    an adapter (attached with zeros, the base frozen; the engine loads its values)."""
     if layout.world_size > 1 and source.directory is not None:
-        return load_sharded(source, role, layout, prec)
+        return load_sharded(source, role, layout, prec, lora)
     model = build_model(source, role, dtype=torch_dtype(prec.params))
-    return parallelize(model, layout, prec).to(layout.device)
+    return parallelize(model, layout, prec, *(lora or (None, ()))).to(layout.device)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from treetrain.alloc.precision import Precision
+from treetrain.config.lora import LoraSettings
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.fsdp.layout import FSDPLayout
 from treetrain.engines.layout import one_rank_mesh
@@ -36,7 +37,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise EngineConfigError(f"{type(model).__name__} has no decoder `layers` list; the FSDP engine cannot shard it")
 
 
-def parallelize(model: nn.Module, layout: FSDPLayout, prec: Precision) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    layout: FSDPLayout,
+    prec: Precision,
+    lora: LoraSettings | None = None,
+    targets: tuple[str, ...] = (),
+) -> nn.Module:
     """Apply the parallel strategy in place, in this order:
 
     1. Tensor parallel (``t > 1``): shard attention and MLP projections with DTensor. It goes
@@ -46,10 +53,16 @@ def parallelize(model: nn.Module, layout: FSDPLayout, prec: Precision) -> nn.Mod
        decoder layer, so each layer's parameters are gathered (and cast) just before it runs
        and freed after; then the root for the rest (embeddings, final norm, head). With
        ``d = 1`` and fp32 nothing is wrapped.
+
+    ``lora``: adapters on ``targets`` between the two (:mod:`.lora`), the base frozen.
     """
     if layout.tp > 1:
         assert layout.mesh is not None
         apply_tp(model, layout.mesh["tp"])
+    if lora is not None:
+        from treetrain.engines.fsdp.lora import apply_lora
+
+        apply_lora(model, lora, targets, layout.mesh["tp"] if layout.tp > 1 and layout.mesh is not None else None)
     if prec.fsdp:
         apply_fsdp(model, data_mesh(layout), mixed_precision(prec))
     return model

@@ -30,18 +30,15 @@ from treetrain.engines.sampler import LocalSampler
 class Adapters(LocalSampler):
     """The LoRA part of an engine (every method a collective: every rank calls it)."""
 
-    lora: LoraSettings | None
-    lora_targets: tuple[str, ...]  # the projections targetModules resolved to for this model
-
     # -- the engine's hooks --------------------------------------------------------------------
     def _lora_modules(self) -> dict[str, tuple[int, int]]:
         """Every adapted module by Hugging Face name (an expert's one by one) and its
         ``(in_features, out_features)``."""
         raise EngineConfigError(f"LoRA is not built in the {self.engine_name} engine yet; fix: drop actor.lora")
 
-    def _lora_full(self, *, everywhere: bool) -> Adapter | None:
+    def _lora_full(self, *, everywhere: bool, grads: bool = False) -> Adapter | None:
         """The full adapter by Hugging Face module name on rank 0 (``everywhere``: on every
-        rank); None on the others."""
+        rank); None on the others. ``grads``: its full gradients instead (zeros where none)."""
         raise EngineConfigError(f"LoRA is not built in the {self.engine_name} engine yet; fix: drop actor.lora")
 
     def _lora_set(self, adapter: Adapter) -> None:
@@ -76,6 +73,14 @@ class Adapters(LocalSampler):
             out[peft_files.key(module, "A")] = a.detach().to("cpu", torch.float32)
             out[peft_files.key(module, "B")] = b.detach().to("cpu", torch.float32)
         return out
+
+    def adapter_grads(self) -> Adapter:
+        """The adapter's full gradients by Hugging Face module name, on every rank (tests and
+        parity scripts; every rank calls it)."""
+        self._need_lora("adapter_grads")
+        full = self._lora_full(everywhere=True, grads=True)
+        assert full is not None
+        return full
 
     def export_adapter(self, path: Path) -> None:
         """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)
