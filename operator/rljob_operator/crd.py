@@ -105,6 +105,7 @@ def crd_yaml() -> str:
 
 
 _DROP = {"title", "$defs"}
+_NAME_OR_NAMES = [{"type": "string"}, {"items": {"type": "string"}, "type": "array"}]
 
 
 def structural(schema: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +120,12 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
         options = node.get("anyOf")
         if options is not None:
             concrete = [o for o in options if o.get("type") != "null"]
-            if len(concrete) != 1:  # pragma: no cover - the models have no real unions
+            if concrete == _NAME_OR_NAMES:
+                # A string or a list of strings (actor.lora.targetModules): a structural schema
+                # has no such union, so the API server keeps the value and admission checks it.
+                rest = {k: v for k, v in node.items() if k not in ("anyOf", "title")}
+                return {**convert(rest), "x-kubernetes-preserve-unknown-fields": True}
+            if len(concrete) != 1:  # pragma: no cover - the models have no other unions
                 raise ValueError(f"cannot express the union {options} in a structural schema")
             rest = {k: v for k, v in node.items() if k != "anyOf"}
             single = convert({**concrete[0], **rest})
@@ -183,6 +189,7 @@ def reference_table() -> str:
         for name, sub in node.get("properties", {}).items():
             field = f"{path}.{name}"
             kind = sub.get("type", "quantity" if sub.get("x-kubernetes-int-or-string") else "")
+            kind = kind or ("string or list" if sub.get("x-kubernetes-preserve-unknown-fields") else "")
             if kind == "array":
                 kind = f"list of {sub.get('items', {}).get('type', 'object')}"
             checks = [

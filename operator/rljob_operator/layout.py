@@ -172,6 +172,11 @@ def trainer_config(layout: Layout) -> dict[str, Any]:
         "actor": {
             "backend": str(actor.allocation) if actor else spec.actor.backend,
             "treeTraining": spec.actor.tree_training.model_dump(by_alias=True),
+            **(
+                {"lora": spec.actor.lora.model_dump(by_alias=True, exclude_none=True)}
+                if spec.actor.lora is not None
+                else {}
+            ),
         },
         "checkpoint": {"dir": CHECKPOINT_DIR, "intervalSteps": spec.checkpoint.interval_steps},
         "rollout": {

@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from treetrain.alloc.registry import either, names, prefixes
+from treetrain.config.lora import LoraSettings
 from treetrain.config.schema import (
     DEFAULT_WEIGHT_SYNC_PORT,
     MAX_BACKEND,
@@ -198,8 +199,11 @@ class Actor(_Model):
     """The policy being trained: its parallel layout and tree training settings."""
 
     backend: str = Field(min_length=1, max_length=MAX_BACKEND, description=f"Backend string: {prefixes('training')}.")
-    # The trainer config's own section: one schema for both.
+    # The trainer config's own sections (actor.treeTraining, actor.lora): one schema for both.
     tree_training: TreeTrainingSettings = Field(default_factory=TreeTrainingSettings)
+    lora: LoraSettings | None = Field(
+        default=None, description="A LoRA adapter on the frozen base; unset: every weight."
+    )
     resources: Resources = Field(
         default_factory=Resources, description="CPU and memory of each trainer pod (critic and ref run in them too)."
     )

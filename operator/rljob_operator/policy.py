@@ -17,6 +17,7 @@ from rljob_operator.layout import openai_port
 from rljob_operator.models import ROLLOUT_KIND, RLJobSpec
 from rljob_operator.names import DATA_DIR, METRICS_PORT
 from rljob_operator.network import NetworkSettings
+from rljob_operator.servers import VLLM_LORA_RANKS
 from treetrain.config import TrainConfig
 
 
@@ -41,6 +42,22 @@ class Limits:
 
 def weight_sync_problems(spec: RLJobSpec) -> list[FieldError]:
     ws, volume = spec.weight_sync, spec.checkpoint.volume
+    lora = spec.actor.lora
+    if lora is not None and lora.sync == "adapter":
+        # The trainer saves each adapter under the checkpoint directory; every rollout pod loads it from there.
+        if volume is None or volume.read_only:
+            return [
+                FieldError(
+                    "spec.actor.lora.sync",
+                    "adapter saves each step's adapter where the rollout pods read it: set "
+                    "spec.checkpoint.volume.claimName to a ReadWriteMany claim (readOnly false), or use sync: merged "
+                    "(full weights through spec.weightSync)",
+                )
+            ]
+        engines = [spec.rollout, *spec.additional_rollouts]
+        if lora.rank > VLLM_LORA_RANKS[-1] and any(e.backend.startswith("vllm:") for e in engines):
+            top = VLLM_LORA_RANKS[-1]
+            return [FieldError("spec.actor.lora.rank", f"vLLM serves LoRA ranks up to {top}; use rank <= {top}")]
     if ws.method == "disk" and volume is None:
         return [
             FieldError(

@@ -33,7 +33,7 @@ def render(
     objects: list[dict[str, Any]] = [config_map(layout, config), *network(layout, settings)]
     for name, comp in layout.components.items():
         if comp.role == "rollout":
-            objects += rollout(layout, name, comp)
+            objects += rollout(layout, name, comp, config)
         elif comp.colocated_with is None:
             objects += trainer(layout, config, comp)
     if uid:

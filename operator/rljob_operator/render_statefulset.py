@@ -27,11 +27,21 @@ from rljob_operator.render_pods import (
     resources,
     volumes,
 )
-from rljob_operator.servers import multi_node_command, server_argv, server_auth, server_env, vllm_weight_sync
+from rljob_operator.servers import (
+    lora_flags,
+    multi_node_command,
+    server_argv,
+    server_auth,
+    server_env,
+    vllm_weight_sync,
+)
+from treetrain.config import TrainConfig
+from treetrain.config.schema import max_staleness
 
 
-def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
-    """The headless Service and StatefulSet of rollout engine ``name``."""
+def rollout(layout: Layout, name: str, comp: Component, config: TrainConfig | None = None) -> list[dict[str, Any]]:
+    """The headless Service and StatefulSet of rollout engine ``name`` (``config``: the trainer
+    config, whose ``actor.lora`` with adapter sync starts the servers with LoRA)."""
     spec = layout.spec
     engine = rollout_engine(spec, name)
     sts = rollout_name(layout.name, name)
@@ -49,6 +59,13 @@ def rollout(layout: Layout, name: str, comp: Component) -> list[dict[str, Any]]:
         flags, more_env = vllm_weight_sync(spec.weight_sync.method)
         argv += flags
         env += more_env
+    lora = config.actor.lora if config is not None else None
+    if config is not None and lora is not None and lora.sync == "adapter":
+        keep = max_staleness(config.trainer.rollout, config.rollout.servers) + 2
+        flags, more_env = lora_flags(comp.allocation.backend, rank=lora.rank, targets=lora.targets(), keep=keep)
+        argv += flags
+        env += more_env
+        disk = True  # the adapters are saved under the checkpoint directory, whatever weightSync.method
     if ppi > 1:
         env.append(
             {

@@ -87,6 +87,32 @@ def vllm_weight_sync(method: str) -> tuple[list[str], list[dict[str, object]]]:
     return ["--worker-extension-cls", VLLM_WORKER_EXTENSION], env
 
 
+# vLLM takes these --max-lora-rank values only (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_flags(
+    backend: str, *, rank: int, targets: tuple[str, ...], keep: int
+) -> tuple[list[str], list[dict[str, object]]]:
+    """(flags, env) of a server that loads the trainer's LoRA adapters at run time: rank up to
+    ``rank``, at most ``keep`` of them at once (the trainer keeps ``maxStaleness + 2`` versions and
+    unloads before it loads). vLLM: ``--enable-lora --max-lora-rank --max-loras`` (its rank rounded
+    up to a value it takes), and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` for ``/v1/load_lora_adapter``
+    and ``/v1/unload_lora_adapter``. SGLang: ``--enable-lora --max-lora-rank --lora-target-modules``
+    (it builds its buffers before any adapter is loaded) ``--max-loaded-loras keep`` and
+    ``--max-loras-per-batch keep + 1`` (a batch may mix every loaded version and the base)."""
+    if backend == "vllm":
+        fit = next((r for r in VLLM_LORA_RANKS if r >= rank), None)
+        if fit is None:
+            raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {rank}")
+        flags = ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", str(keep)]
+        return flags, [{"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"}]
+    if backend == "sglang":
+        flags = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *targets]
+        return [*flags, "--max-loaded-loras", str(keep), "--max-loras-per-batch", str(keep + 1)], []
+    raise ValueError(f"{backend} is not a rollout server backend")
+
+
 def multi_node_command(argv: list[str], *, backend: str, pods_per_instance: int, leader_dns: str) -> list[str]:
     """Wrap ``argv`` for instances of several pods: each pod derives its rank in the instance
     and the leader's DNS name from its StatefulSet ordinal (``$POD_INDEX``), then adds the node
