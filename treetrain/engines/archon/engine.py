@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from treetrain.attention import TreeAttentionMeta
 from treetrain.engines.archon.experts import check_ep
 from treetrain.engines.archon.layout import ArchonLayout, init_layout
+from treetrain.engines.archon.lora import EXPERT, from_adapter, hf_modules, to_adapter
 from treetrain.engines.archon.model import ModelArgs, Transformer
 from treetrain.engines.archon.model.hf import from_hf, from_hf_state, to_hf
 from treetrain.engines.archon.model.model import rope_inv_freq
@@ -36,6 +37,8 @@ from treetrain.engines.base import Engine
 from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.grads import dtensor_pieces
+from treetrain.engines.lora import Adapter
+from treetrain.engines.lora.linear import is_adapter
 from treetrain.engines.source import SafetensorsFiles
 from treetrain.logprob import TreeTensors, gather_logprobs
 from treetrain.tree import PackedBatch, PackedTree, pad_tree
@@ -70,6 +73,35 @@ class ArchonEngine(Engine):
     def _prepare(self) -> None:
         self.args = ModelArgs.from_hf(self.source.config)
         _check_layout(self.args, self.layout)
+        if self.args.is_moe and self.layout.etp > 1 and set(self.lora_targets) & set(EXPERT):
+            raise EngineConfigError(
+                f"actor.lora: adapters on experts split by an ffn t{self.layout.etp} are not built; fix: drop the "
+                "ffn t, or target only q_proj, k_proj, v_proj, o_proj"
+            )
+
+    # -- LoRA (treetrain/engines/lora/core.py; names: .lora) -----------------------------------
+    def _lora_modules(self) -> dict[str, tuple[int, int]]:
+        return hf_modules(self.args, self.lora_targets)
+
+    def _lora_full(self, *, everywhere: bool, grads: bool = False) -> Adapter | None:
+        mine = {}
+        for name, p in self.model.named_parameters():  # the same order on every rank of a stage
+            if is_adapter(name):
+                t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+                mine[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+        full = self._merge_stages(mine)
+        return to_adapter(full) if everywhere or self.layout.is_main else None
+
+    def _lora_set(self, adapter: Adapter) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import FSDPModule
+
+        names = [n for n, _ in self.model.named_parameters() if is_adapter(n)]
+        for unit in self.model.modules():  # the root stays gathered after a forward: shard it again first
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+        state: dict[str, Any] = from_adapter(adapter, names)
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def _split_tie(self) -> torch.Tensor | None:
         """This stage's copy of a tied embedding / head split over two stages (None: not split)."""
@@ -101,13 +133,14 @@ class ArchonEngine(Engine):
             if args.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
                 model.output.weight = model.tok_embeddings.weight
         model.to(self.param_dtype)
-        parallelize(model, layout, self.precision, checkpointing=self.settings.gradient_checkpointing)
+        lora = (self.lora, self.lora_targets) if self.lora is not None else None
+        parallelize(model, layout, self.precision, checkpointing=self.settings.gradient_checkpointing, lora=lora)
         model.to_empty(device=layout.device)
         with torch.no_grad():
             model.get_buffer("inv_freq").copy_(rope_inv_freq(args))
-        names = list(model.state_dict().keys())
+        names = [n for n in model.state_dict() if not is_adapter(n)]  # the adapter: loaded by the core next
         state: dict[str, Any] = {k: v.to(self.param_dtype) for k, v in self._hf_weights(names).items()}
-        options = StateDictOptions(full_state_dict=True, strict=True)
+        options = StateDictOptions(full_state_dict=True, strict=lora is None)
         set_model_state_dict(model, state, options=options)
         return model
 
@@ -238,8 +271,10 @@ class ArchonEngine(Engine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         # Optimizer state and hyper-parameters keyed by parameter name: pipeline stages hold
-        # different parameters, and a list of param groups per stage would collide in DCP.
-        return StateDictOptions(flatten_optimizer_state_dict=True)
+        # different parameters, and a list of param groups per stage would collide in DCP. A
+        # LoRA checkpoint holds the adapter only (the metadata's "lora" says whose).
+        lora = self.lora is not None
+        return StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=lora, strict=not lora)
 
     # -- Hugging Face weights ----------------------------------------------------------------
     def full_state(self) -> dict[str, torch.Tensor]:
@@ -247,6 +282,8 @@ class ArchonEngine(Engine):
         collective per sharded tensor, one gather over the stages)."""
         out = {}
         for name, t in self.model.state_dict().items():
+            if is_adapter(name):
+                continue  # the adapter: _lora_full
             full = t.full_tensor() if isinstance(t, DTensor) else t
             out[name] = full.detach().cpu()
         return self._merge_stages(out)
@@ -262,14 +299,14 @@ class ArchonEngine(Engine):
         return merged
 
     def export_hf(self, path: Path) -> None:
-        """Safetensors + config that transformers (and rollout servers) load; rank 0 writes,
-        every rank joins the gathers."""
+        """Safetensors + config that transformers (and rollout servers) load (with LoRA the
+        merged weights); rank 0 writes, every rank joins the gathers."""
         from safetensors.torch import save_file
 
         if self.role == "critic":
             raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
-        state = to_hf(self.full_state(), tie_embeddings=self.args.tie_embeddings)
-        if self.layout.is_main:
+        state = self._merged(to_hf(self.full_state(), tie_embeddings=self.args.tie_embeddings))  # LoRA: W + s B A
+        if state is not None:
             path.mkdir(parents=True, exist_ok=True)
             dtype = self.compute_dtype
             save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
@@ -291,7 +328,9 @@ class ArchonEngine(Engine):
 
     # -- local rollout -----------------------------------------------------------------------
     def _sampler_weights(self) -> dict[str, torch.Tensor]:
-        return to_hf(self.full_state(), tie_embeddings=False)
+        merged = self._merged(to_hf(self.full_state(), tie_embeddings=False), everywhere=True)
+        assert merged is not None
+        return merged
 
 
 _ARCHITECTURES = {

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from treetrain.alloc.precision import Precision
 from treetrain.attention import TreeAttentionMeta
+from treetrain.config.lora import LoraSettings
 from treetrain.engines.archon.experts import apply_ep
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import Attention, ModelArgs, MoE, Transformer, TreeAttention
@@ -35,16 +36,29 @@ from treetrain.engines.layout import one_rank_mesh
 from treetrain.engines.precision import mixed_precision
 
 
-def parallelize(model: Transformer, layout: ArchonLayout, prec: Precision, *, checkpointing: bool) -> Transformer:
+def parallelize(
+    model: Transformer,
+    layout: ArchonLayout,
+    prec: Precision,
+    *,
+    checkpointing: bool,
+    lora: tuple[LoraSettings, tuple[str, ...]] | None = None,
+) -> Transformer:
     """Apply the strategy in place. Tensor parallel goes first so that FSDP then shards the
     already tensor-parallel parameters (2-D); context parallel only swaps attention cores;
     checkpointing and compile wrap whole blocks before FSDP wraps them once more. FSDP2 wraps
     the model when ``prec.fsdp`` (data x context ranks > 1, or 16-bit compute over fp32
-    master weights: then over a one-rank mesh when nothing is sharded)."""
+    master weights: then over a one-rank mesh when nothing is sharded). ``lora``: adapters
+    (settings, targets) attached once tensor and expert parallel have split the weights
+    (:mod:`.lora`), the base frozen."""
     if layout.mesh is not None and layout.tp > 1:
         apply_tp(model, layout.mesh["tp"])
     if layout.experts is not None:
         apply_ep(model, layout.experts)
+    if lora is not None:
+        from treetrain.engines.archon.lora import apply_lora
+
+        apply_lora(model, layout, *lora)
     if layout.cp > 1:
         apply_cp(model, layout.group_of("cp"), layout.cp)
     if checkpointing:
@@ -285,6 +299,10 @@ def apply_fsdp(
         if experts is not None and isinstance(moe, MoE):
             group = moe.experts
             width: dict[nn.Parameter, Shard | None] = {group.w1: Shard(2), group.w3: Shard(2), group.w2: Shard(1)}
+            if group.lora is not None:
+                from treetrain.engines.archon.lora import fsdp_placement
+
+                width |= {p: fsdp_placement(n) for n, p in group.lora.named_parameters()}
             unit = fully_shard(group, mesh=experts["edp"], mp_policy=policy, shard_placement_fn=width.__getitem__)
             unit.set_gradient_divide_factor(float(mesh.size()))
             if experts["edp"].size() > 1:

@@ -42,8 +42,9 @@ class LoraWeight(nn.Module):
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is an adapter's (``...q_proj.lora_A.weight``)."""
-    return ".lora_A." in name or ".lora_B." in name or name.startswith(("lora_A.", "lora_B."))
+    """Whether a parameter name is an adapter's (``...q_proj.lora_A.weight``; an engine's
+    own adapter modules are named ``lora``: ``...experts.lora.w1_A``)."""
+    return any(part in ("lora_A", "lora_B", "lora") for part in name.split("."))
 
 
 def attach(

@@ -127,16 +127,42 @@ class FeedForward(nn.Module):
         return out
 
 
+class ExpertAdapters(nn.Module):
+    """LoRA adapters on the experts' stacked weights (``w1``, ``w3``, ``w2``: gate, up, down),
+    one per expert: ``{w}_A [E, r, in]`` and ``{w}_B [E, out, r]`` (fp32, applied in the
+    input's dtype), for the weights in ``names``."""
+
+    def __init__(self, names: tuple[str, ...], shapes: dict[str, tuple[int, int, int]], rank: int) -> None:
+        super().__init__()
+        self.names = names
+        for name in names:
+            e, n_out, n_in = shapes[name]
+            self.register_parameter(f"{name}_A", nn.Parameter(torch.zeros(e, rank, n_in)))
+            self.register_parameter(f"{name}_B", nn.Parameter(torch.zeros(e, n_out, rank)))
+        self.scale, self.dropout = 1.0, 0.0
+
+    def add(self, name: str, out: torch.Tensor, x: torch.Tensor, e: int) -> torch.Tensor:
+        """``out + scale B[e] A[e] dropout(x)`` when ``name`` is adapted, else ``out``."""
+        if name not in self.names:
+            return out
+        a, b = _local(self.get_parameter(f"{name}_A"))[e], _local(self.get_parameter(f"{name}_B"))[e]
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout, training=True)
+        return out + F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights. Input rows arrive sorted by expert with
     ``counts_E`` rows each. Expert parallel moves rows between ranks around this call (hooks),
-    so that here the rows and counts are those of the experts this rank holds."""
+    so that here the rows and counts are those of the experts this rank holds. ``lora``:
+    adapters on the experts (:class:`ExpertAdapters`), None without."""
 
     def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.lora: ExpertAdapters | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -145,9 +171,15 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_Td: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        lora = self.lora
         outs = []
         for e, x in enumerate(torch.split(x_Td, counts_E.tolist())):  # host sync: the split sizes
-            outs.append(F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e]))
+            if lora is None:
+                outs.append(F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e]))
+                continue
+            gate, up = lora.add("w1", F.linear(x, w1[e]), x, e), lora.add("w3", F.linear(x, w3[e]), x, e)
+            h = F.silu(gate) * up
+            outs.append(lora.add("w2", F.linear(h, w2[e]), h, e))
         return torch.cat(outs) if outs else x_Td
 
 
