@@ -42,7 +42,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _fail(message: str) -> int:
-    print(f"treetrain train: error: {message}", file=sys.stderr, flush=True)
+    # One write: ranks share torchrun's stderr, and print's separate newline write (unbuffered
+    # stderr) lets two ranks' lines run together.
+    sys.stderr.write(f"treetrain train: error: {message}\n")
+    sys.stderr.flush()
     return 2
 
 
