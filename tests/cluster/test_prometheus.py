@@ -238,7 +238,10 @@ class Trainer:
         """The metrics port, once /metrics answers."""
 
         def found() -> int | None:
-            line = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", _tail(self.log_path, 100000))
+            # The log's head: the address is printed before the first step, and a trainer that
+            # ran for minutes has pushed it out of any tail.
+            with self.log_path.open(errors="replace") as log:
+                line = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", log.read(65536))
             if line and http_get(f"http://127.0.0.1:{line.group(1)}/metrics")[0] == 200:
                 return int(line.group(1))
             self._alive()
