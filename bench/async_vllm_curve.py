@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
 
-from real_vllm import BUILD_HINT, VLLMServer, free_port, venv_python  # noqa: E402
+from real_vllm import BUILD_HINT, VLLMServer, venv_python  # noqa: E402
+from suite_helpers import free_port  # noqa: E402
 
 STALENESS = re.compile(r"\| staleness max (\d+) mean ([\d.]+)")
 COLORS = {"synchronous": "#1f77b4", "maxStaleness 1": "#d62728"}

@@ -28,7 +28,7 @@ from pathlib import Path
 CHILD = """
 import resource, sys, time
 import datasets
-from treetrain.config.schema import DatasetSettings
+from treetrain.config.trainer_settings import DatasetSettings
 from treetrain.rl import dataset
 path = sys.argv[1]
 start = time.perf_counter()

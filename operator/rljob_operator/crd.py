@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from rljob_operator.models import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, RLJobSpec, RLJobStatus
-from treetrain.config.schema import TrainerSettings
+from treetrain.config.trainer_settings import TrainerSettings
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

@@ -19,7 +19,7 @@ from rljob_operator.errors import FieldError, PlanError
 from rljob_operator.models import GROUP, KIND, VERSION, RLJobSpec
 from rljob_operator.names import MAX_NAME_LENGTH
 from treetrain.config.load import field_name, value_problem
-from treetrain.config.schema import TrainerSettings
+from treetrain.config.trainer_settings import TrainerSettings
 
 # Deeper than this is refused before any model reads it: pydantic gives up past about 250 levels
 # (a traceback), Python's JSON reader past about 990 (kopf's watch died); real manifests nest < 15.

@@ -20,7 +20,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -31,6 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# tests/suite_helpers.py (standard library only, like this file): on sys.path under pytest; a
+# run as a script (tests/cluster/up) puts tests/ there itself.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from suite_helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DIR = HERE / ".build" / "cluster"
@@ -106,12 +111,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log at {path})"
     tail = text[-lines:]
     return "\n".join(f"    {line}" for line in tail) if tail else f"(empty log {path})"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,28 +18,22 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import free_port, http_get, wait_for
+from cluster_helpers import Cluster, http_get, wait_for
 from kubernetes import client
+from operator_helpers import deployment_of, helm, operator_process
+from rljob_helpers import EXAMPLE, ROOT, delete_rljobs, rljob, rljob_phase
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rljob-operator"
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
 RELEASE_NS = "rljob-chart"
 
 # A stand-in for the Prometheus Operator's CRDs: the kinds exist, any spec is accepted.
@@ -77,13 +71,6 @@ def stand_in_crd(kind: str, plural: str) -> dict[str, Any]:
 # Helpers
 
 
-def helm(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = cluster.run("helm", *args, check=False)
-    if check and done.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
-    return done
-
-
 def ensure_namespace(cluster: Cluster, name: str) -> None:
     core = client.CoreV1Api(cluster.api)
     try:
@@ -91,12 +78,6 @@ def ensure_namespace(cluster: Cluster, name: str) -> None:
     except client.ApiException as err:
         if err.status != 409:
             raise
-
-
-def rljob_phase(cluster: Cluster, namespace: str, name: str) -> str | None:
-    obj = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    phase: str | None = (obj.get("status") or {}).get("phase")
-    return phase
 
 
 def token_kubeconfig(cluster: Cluster, namespace: str, service_account: str, path: Path) -> Path:
@@ -125,47 +106,6 @@ def token_kubeconfig(cluster: Cluster, namespace: str, service_account: str, pat
         )
     )
     return path
-
-
-def delete_rljobs(cluster: Cluster, *namespaces: str) -> None:
-    """Delete the RLJobs and wait until their pods are gone: the simulated GPUs are shared by the
-    whole session, and the next test module needs every node free."""
-    custom, core = client.CustomObjectsApi(cluster.api), client.CoreV1Api(cluster.api)
-    for ns in namespaces:
-        for obj in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
-            custom.delete_namespaced_custom_object(
-                GROUP, VERSION, ns, PLURAL, obj["metadata"]["name"], propagation_policy="Foreground"
-            )
-    wait_for(
-        "the RLJobs' pods gone",
-        lambda: not any(core.list_namespaced_pod(ns, label_selector="treetrain.dev/rljob").items for ns in namespaces),
-    )
-
-
-def deployment_of(manifest: str) -> dict[str, Any]:
-    (deployment,) = [d for d in yaml.safe_load_all(manifest) if d and d["kind"] == "Deployment"]
-    return deployment
-
-
-@contextmanager
-def operator_process(kubeconfig: Path, chart_args: list[str]) -> Iterator[tuple[int, int]]:
-    """`rljob` with the chart's container arguments; its ports moved to free loopback ports."""
-    metrics, liveness = free_port(), free_port()
-    args = [a for a in chart_args if not a.startswith(("--metrics-port=", "--liveness-port="))]
-    assert len(args) == len(chart_args) - 2, chart_args
-    argv = [str(Path(sys.executable).parent / "rljob"), *args, "--bind", "127.0.0.1",
-            f"--metrics-port={metrics}", f"--liveness-port={liveness}"]  # fmt: skip
-    env = dict(os.environ, KUBECONFIG=str(kubeconfig))
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = ""
-    try:
-        wait_for("operator /healthz", lambda: http_get(f"http://127.0.0.1:{liveness}/healthz")[0] == 200 or proc.poll())
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        yield metrics, liveness
-    finally:
-        proc.terminate()
-        output = proc.communicate(timeout=60)[0]
-    assert "Forbidden" not in output and "Traceback" not in output, output[-3000:]
 
 
 def can_i(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
@@ -338,8 +278,7 @@ def test_install_operator_with_chart_rbac_then_uninstall_keeps_crds(
         (container,) = pod["containers"]
         with operator_process(kubeconfig, container["args"]) as (metrics_port, _):
             # Two trainer pods (16 ranks on 8-GPU nodes) and two rollout pods.
-            spec = {**EXAMPLE["spec"], "actor": {**EXAMPLE["spec"]["actor"], "backend": "fsdp:d16"}}
-            body = {**EXAMPLE, "metadata": {"name": "charted"}, "spec": spec}
+            body = rljob("charted", actor={**EXAMPLE["spec"]["actor"], "backend": "fsdp:d16"})
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
             wait_for("charted Running", lambda: rljob_phase(cluster, namespace, "charted") == "Running")
             gpus = f'rljob_gpus_requested{{component="rollout",namespace="{namespace}",rljob="charted"}} 8.0'
@@ -397,14 +336,15 @@ def test_watched_namespaces_install_reconciles_only_there(cluster: Cluster, name
         assert not can_i(cluster, kubeconfig, "list", "rljobs.treetrain.dev", "-n", other)
         (container,) = pod["containers"]
         assert f"--namespace={namespace}" in container["args"]
+        # Both RLJobs exist before the operator starts, the other namespace's first: an operator
+        # that looked beyond its namespace would list it in the same first listing as the
+        # watched one (and be refused: operator_process fails on a Forbidden line in its output).
+        # So once the watched one runs, the other one was there to be seen all along: no timed wait.
         custom = client.CustomObjectsApi(cluster.api)
+        for ns in (other, namespace):
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, rljob("scoped"))
         with operator_process(kubeconfig, container["args"]):
-            for ns in (namespace, other):
-                custom.create_namespaced_custom_object(
-                    GROUP, VERSION, ns, PLURAL, {**EXAMPLE, "metadata": {"name": "scoped"}}
-                )
             wait_for("scoped Running", lambda: rljob_phase(cluster, namespace, "scoped") == "Running")
-            time.sleep(2)
             assert rljob_phase(cluster, other, "scoped") is None  # never touched
     finally:
         helm(cluster, "uninstall", release, "-n", RELEASE_NS, "--wait", "--timeout", "60s")

@@ -10,17 +10,15 @@ as such a plugin would. Loopback only: no pod, node or Service address is dialle
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-import yaml
-from cluster_helpers import operator_account, scratch_namespace, wait_for
+from cluster_helpers import Cluster, operator_account, scratch_namespace, wait_for
 from kubernetes import client
 from netpol_eval import Pod, admitted
+from rljob_helpers import EXAMPLE, ROOT, rljob
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.network import NetworkSettings
@@ -28,13 +26,8 @@ from rljob_operator.policy import Limits
 from rljob_operator.rbac import RULES
 from rljob_operator.runner import make_controller, serve
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = pytest.mark.cluster
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
 SERVER_PORT, RENDEZVOUS_PORT, WEIGHT_SYNC_PORT, METRICS_PORT = 30000, 29500, 29600, 9400
 PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
 
@@ -74,11 +67,7 @@ def operator(cluster: Cluster, monitoring: str, tmp_path_factory: pytest.TempPat
 
 
 def _rljob(name: str) -> dict[str, Any]:
-    body = copy.deepcopy(EXAMPLE)
-    body["metadata"] = {"name": name}
-    body["spec"]["rollout"] = {"backend": "sglang:d1t1"}
-    body["spec"]["actor"]["backend"] = "fsdp:d1"
-    return body
+    return rljob(name, rollout={"backend": "sglang:d1t1"}, actor={**EXAMPLE["spec"]["actor"], "backend": "fsdp:d1"})
 
 
 def _pod(core: client.CoreV1Api, namespace: str, name: str, labels: dict[str, str]) -> None:
@@ -170,8 +159,8 @@ def test_rljob_api_key_secret_is_random_owned_referenced_and_never_rewritten(
                for n in ("k1", "k2")]  # fmt: skip
     keys = [s.data["api-key"] for s in secrets]
     assert keys[0] != keys[1] and all(len(k) >= 40 for k in keys)  # base64 of 43 random characters
-    for secret, rljob in zip(secrets, created, strict=True):
-        assert secret.metadata.owner_references[0].uid == rljob["metadata"]["uid"]
+    for secret, owner in zip(secrets, created, strict=True):
+        assert secret.metadata.owner_references[0].uid == owner["metadata"]["uid"]
     # The pods read it by reference: the key is not in any template.
     pods = wait_for("k1's pods", lambda: core.list_namespaced_pod(namespace, label_selector=f"{GROUP}/rljob=k1").items
                     if len(core.list_namespaced_pod(namespace, label_selector=f"{GROUP}/rljob=k1").items) == 2 else None,

@@ -9,18 +9,31 @@ with the labels that tests/cluster/kwok-stages.yaml reacts to. Nothing dials a p
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-import yaml
-from cluster_helpers import free_port, gpu_room, http_get, service_account_kubeconfig, wait_for
+from cluster_helpers import Cluster, gpu_room, http_get, service_account_kubeconfig, wait_for
 from kubernetes import client
+from rljob_helpers import (
+    FAIL,
+    ROOT,
+    SUCCEED,
+    cond,
+    create,
+    custom,
+    get,
+    label_pods,
+    phase_is,
+    pods,
+    rljob,
+    trainer_selector,
+)
+from suite_helpers import free_port
 
 from rljob_operator.controller import Controller
 from rljob_operator.models import GROUP, PLURAL, VERSION
@@ -28,15 +41,7 @@ from rljob_operator.rbac import RULES
 from rljob_operator.runner import make_controller, serve
 from treetrain.config import read_yaml, validate
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = pytest.mark.cluster
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
-SUCCEED = {"sim.treetrain.dev/succeed": "true"}
-FAIL = {"sim.treetrain.dev/fail": "true"}
 
 
 # ---------------------------------------------------------------------------
@@ -97,56 +102,6 @@ def operator(crd: None, operator_kubeconfig: Path) -> Iterator[RunningOperator]:
 
 # ---------------------------------------------------------------------------
 # Helpers
-
-
-def rljob(name: str, **spec: Any) -> dict[str, Any]:
-    body = copy.deepcopy(EXAMPLE)
-    body["metadata"] = {"name": name}
-    body["spec"].update(spec)
-    return body
-
-
-def custom(cluster: Cluster) -> client.CustomObjectsApi:
-    return client.CustomObjectsApi(cluster.api)
-
-
-def create(cluster: Cluster, namespace: str, body: dict[str, Any]) -> None:
-    custom(cluster).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-
-
-def get(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
-    obj: dict[str, Any] = custom(cluster).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    return obj
-
-
-def phase_is(cluster: Cluster, namespace: str, name: str, phase: str) -> Callable[[], Any]:
-    def check() -> Any:
-        status = get(cluster, namespace, name).get("status") or {}
-        return status if status.get("phase") == phase else None
-
-    return check
-
-
-def cond(status: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next(c for c in status["conditions"] if c["type"] == kind)
-
-
-def pods(cluster: Cluster, namespace: str, selector: str) -> list[client.V1Pod]:
-    items: list[client.V1Pod] = (
-        client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector=selector).items
-    )
-    return items
-
-
-def label_pods(cluster: Cluster, namespace: str, selector: str, labels: dict[str, str]) -> None:
-    for pod in pods(cluster, namespace, selector):
-        client.CoreV1Api(cluster.api).patch_namespaced_pod(
-            pod.metadata.name, namespace, {"metadata": {"labels": labels}}
-        )
-
-
-def trainer_selector(name: str, restart: int = 0) -> str:
-    return f"treetrain.dev/rljob={name},treetrain.dev/component=actor,treetrain.dev/restart={restart}"
 
 
 def events(cluster: Cluster, namespace: str, name: str) -> list[str]:

@@ -10,47 +10,32 @@ printed (`pytest -s` shows them); deadlines are generous and only catch hangs.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-from cluster_helpers import free_port, gpu_room, http_get, operator_account, wait_for
+from cluster_helpers import Cluster, gpu_room, wait_for
 from kubernetes import client
-from test_operator import FAIL, ROOT, cond, create, custom, get, label_pods, phase_is, rljob, trainer_selector
+from operator_helpers import OperatorProcess, kubeconfig, operator
+from rljob_helpers import FAIL, SMALL, cond, create, custom, get, label_pods, phase_is, rljob, trainer_selector
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
-from rljob_operator.rbac import RULES
-
-if TYPE_CHECKING:
-    from conftest import Cluster
 
 pytestmark = pytest.mark.cluster
+# The operator in a child process under exactly its RBAC rules: operator_helpers' fixtures.
+__all__ = ["kubeconfig", "operator"]
 
 LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
-SMALL = {"rollout": {"backend": "sglang:d1"}, "actor": {"backend": "fsdp:d1"}}  # 2 GPUs, 2 pods
 PATCHES = 600  # label and annotation patches on children in the event-burst test
-FATAL = ("the operator stops so that it is restarted", "Traceback")
 
 
 # ---------------------------------------------------------------------------
 # Fixtures
-
-
-@pytest.fixture(scope="module")
-def kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A kubeconfig with the token of a ServiceAccount bound to the operator's rules only."""
-    cluster.run("kubectl", "apply", "--server-side", "-f", str(ROOT / "crds" / "rljob.yaml"))
-    cluster.run("kubectl", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-    path = tmp_path_factory.mktemp("faults") / "kubeconfig"
-    with operator_account(cluster.api, cluster.kubeconfig, "rljob-faults", RULES, path):
-        yield path
 
 
 @pytest.fixture(scope="module")
@@ -59,78 +44,6 @@ def extra_gpus(cluster: Cluster) -> Iterator[None]:
     namespaces still hold while they go away."""
     with gpu_room(cluster.api, 48, "faults-gpu", cidr_offset=200):
         yield
-
-
-class OperatorProcess:
-    """`rljob operator` for one namespace, in a child process whose output goes to a file."""
-
-    def __init__(self, kubeconfig: Path, namespace: str, log: Path) -> None:
-        self.kubeconfig, self.namespace, self.log = kubeconfig, namespace, log
-        self.liveness = free_port()
-        self.metrics = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        rljob_bin = str(Path(sys.executable).parent / "rljob")
-        args = [rljob_bin, "operator", "--namespace", self.namespace, "--bind", "127.0.0.1",
-                "--metrics-port", str(self.metrics), "--liveness-port", str(self.liveness)]  # fmt: skip
-        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
-        wait_for("operator /healthz 200", lambda: self.healthy() or self._exited(), timeout=90)
-        assert self.healthy(), self.output()[-3000:]
-
-    def healthy(self) -> bool:
-        return http_get(f"http://127.0.0.1:{self.liveness}/healthz")[0] == 200
-
-    def requests(self) -> dict[tuple[str, str, str], float]:
-        """The operator's own API requests so far, (verb, resource, code) -> count, from its /metrics."""
-        status, text = http_get(f"http://127.0.0.1:{self.metrics}/metrics")
-        assert status == 200, self.output()[-3000:]
-        counts: dict[tuple[str, str, str], float] = {}
-        for line in text.splitlines():
-            if line.startswith("rljob_operator_api_requests_total{"):
-                labels, value = line[len("rljob_operator_api_requests_total{") :].rsplit("} ", 1)
-                parts = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.split(","))}
-                counts[parts["verb"], parts["resource"], parts["code"]] = float(value)
-        return counts
-
-    def _exited(self) -> bool:
-        return self.proc is not None and self.proc.poll() is not None
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def assert_alive_and_quiet(self) -> None:
-        """Still running, /healthz answers 200, and no fatal line in its log."""
-        assert self.proc is not None and self.proc.poll() is None, self.output()[-3000:]
-        assert self.healthy()
-        text = self.output()
-        assert not [f for f in FATAL if f in text], text[-3000:]
-
-
-@pytest.fixture
-def operator(kubeconfig: Path, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(kubeconfig, namespace, tmp_path / "operator.log")
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
 
 
 # ---------------------------------------------------------------------------

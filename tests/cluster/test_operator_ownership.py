@@ -5,33 +5,28 @@ Issue 21: objects that merely carried the operator's labels were deleted as stal
 ``kubectl replace --force`` does) was taken over and later garbage-collected with the RLJob
 (item 5); a status patched to a lie tore the rollout servers down or replaced a healthy
 trainer (item 10). A Secret ``NAME-api-key`` made before the RLJob silently became its key and
-was never owned (hostile-user review). The operator runs as a child process under exactly its RBAC rules (the
-fixtures of test_operator_faults.py); each ownership scenario runs 5 times.
+was never owned (hostile-user review). The operator runs as a child process under exactly its
+RBAC rules (the fixtures of operator_helpers.py); each ownership scenario runs 5 times.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-import test_operator_faults
-from cluster_helpers import wait_for
+from cluster_helpers import Cluster, wait_for
 from kubernetes import client
-from test_operator import create, custom, get, phase_is, rljob
-from test_operator_faults import SMALL, OperatorProcess
+from operator_helpers import OperatorProcess, kubeconfig, operator
+from rljob_helpers import SMALL, create, custom, get, phase_is, rljob
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = pytest.mark.cluster
+# The operator in a child process under exactly its RBAC rules: operator_helpers' fixtures.
+__all__ = ["kubeconfig", "operator"]
 
 ROUNDS = 5
-# The operator in a child process under exactly its RBAC rules: test_operator_faults.py's fixtures.
-kubeconfig = test_operator_faults.kubeconfig
-operator = test_operator_faults.operator
 
 
 def labels(name: str, component: str) -> dict[str, str]:

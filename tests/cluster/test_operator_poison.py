@@ -9,7 +9,7 @@ operator, and none may cost more API requests than the backoff says.
 - a 253-character name: ``Valid=False``, then no further request for children (each pass got
   a 400 listing them, every 5 s).
 
-The operator runs as a child process under exactly its RBAC rules (see test_operator_faults.py);
+The operator runs as a child process under exactly its RBAC rules (operator_helpers.py);
 request counts come from its own counter on /metrics. Figures are printed (`pytest -s`).
 """
 
@@ -20,20 +20,18 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
-from cluster_helpers import wait_for
+from cluster_helpers import Cluster, wait_for
 from kubernetes import client
-from test_operator import get, phase_is, rljob
-from test_operator_faults import SMALL, OperatorProcess, kubeconfig, operator
-
-if TYPE_CHECKING:
-    from conftest import Cluster
+from operator_helpers import OperatorProcess, kubeconfig, operator
+from rljob_helpers import SMALL, get, phase_is, rljob
 
 pytestmark = pytest.mark.cluster
+# The operator in a child process under exactly its RBAC rules: operator_helpers' fixtures.
+__all__ = ["kubeconfig", "operator"]
 
-__all__ = ["kubeconfig", "operator"]  # fixtures shared with test_operator_faults.py
 WINDOW = 65.0  # seconds over which a refused RLJob's requests are counted (at least a minute)
 
 

@@ -35,46 +35,32 @@ directory is cleaned up, also when the test fails.
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
-import importlib.util
 import json
 import math
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 import yaml
-from cluster_helpers import free_port, http_get, operator_account, scratch_namespace, wait_for
+from cluster_helpers import Cluster, http_get, operator_account, scratch_namespace, wait_for
 from kubernetes import client
-from test_chart_install import delete_rljobs, deployment_of, helm, operator_process
+from operator_helpers import deployment_of, helm, operator_process
+from prometheus_helpers import Prometheus, prometheus_binary, prometheus_process, stop, tail
+from rljob_helpers import FAIL, ROOT, SMALL, delete_rljobs, pods, rljob, rljob_phase, trainer_selector
+from suite_helpers import small, subprocess_env
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 from rljob_operator.rbac import RULES
 
-if TYPE_CHECKING:
-    from conftest import Cluster
-
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rljob-operator"
-BUILD = ROOT / "tests" / "prometheus" / "build"
-EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
-FAIL = {"sim.treetrain.dev/fail": "true"}
 
 SCRAPE = "1s"
 # Grafana's $__rate_interval is at least four scrape intervals; 10 s keeps two samples in every
@@ -84,23 +70,12 @@ RATE_INTERVAL = "10s"
 DEADLINE_S = 90.0
 
 
-@functools.cache
-def _unit_helpers() -> ModuleType:
-    """tests/unit/helpers, loaded by path: this module also runs alone (tests/cluster only), when
-    pytest has not put tests/unit on sys.path."""
-    spec = importlib.util.spec_from_file_location("unit_helpers", ROOT / "tests" / "unit" / "helpers" / "__init__.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def trainer_config(*, tree: bool, ref: bool = False) -> dict[str, Any]:
     """The unit tests' seconds-long trainer config, with steps enough to outlast the test (it is
     stopped with SIGTERM once the queries are done) and metrics on a free loopback port; ``ref``:
     with a reference model and a KL term, so that treetrain_kl has samples."""
     extra: dict[str, Any] = {"loss": {"klCoef": 0.05}} if ref else {}
-    config: dict[str, Any] = _unit_helpers().small(
+    config: dict[str, Any] = small(
         steps=100000, metrics={"enabled": True, "port": 0, "addr": "127.0.0.1"}, compareFlat=False, **extra
     )
     config["actor"]["treeTraining"]["enabled"] = tree
@@ -111,85 +86,6 @@ def trainer_config(*, tree: bool, ref: bool = False) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------
 # Prometheus
-
-
-def prometheus_binary() -> Path:
-    done = subprocess.run([str(BUILD), "--print"], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(
-            f"no Prometheus binary: run `make prometheus-bin` (or tests/prometheus/build) first ({done.stderr.strip()})",
-            pytrace=False,
-        )
-    return Path(done.stdout.strip())
-
-
-class Prometheus:
-    """The HTTP API of a Prometheus on loopback."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-
-    def api(self, path: str, **params: str) -> Any:
-        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:  # loopback only
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            raise AssertionError(f"GET /api/v1/{path} {params}: HTTP {err.code}: {err.read()[:500]!r}") from None
-        assert answer["status"] == "success", answer
-        return answer["data"]
-
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.api("query", query=expr)["result"]
-        return result
-
-    def query_range(self, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self.api(
-            "query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="1"
-        )["result"]
-        return result
-
-    def alerts(self) -> list[dict[str, Any]]:
-        alerts: list[dict[str, Any]] = self.api("alerts")["alerts"]
-        return alerts
-
-    def rules(self) -> list[dict[str, Any]]:
-        return [rule for group in self.api("rules")["groups"] for rule in group["rules"]]
-
-    def last_evaluation(self) -> float:
-        """The oldest of the rule groups' last evaluation times (Unix seconds; 0 before the first)."""
-        stamps = [g.get("lastEvaluation", "") for g in self.api("rules")["groups"]]
-        return min((_unix(s) for s in stamps), default=0.0)
-
-
-def _unix(stamp: str) -> float:
-    """An RFC 3339 time as Prometheus writes it (nanoseconds; Z or an offset) in Unix seconds; 0 for none."""
-    if not stamp or stamp.startswith("0001-"):
-        return 0.0
-    # fromisoformat reads at most microseconds.
-    stamp = re.sub(r"(\.\d{6})\d+", r"\1", stamp).replace("Z", "+00:00")
-    return datetime.fromisoformat(stamp).timestamp()
-
-
-@contextlib.contextmanager
-def prometheus_process(binary: Path, workdir: Path, config: dict[str, Any]) -> Iterator[Prometheus]:
-    port = free_port()
-    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-    log = (workdir / "prometheus.log").open("w")
-    argv = [str(binary), f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_for(
-            "Prometheus ready",
-            lambda: http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200 or proc.poll() is not None,
-        )
-        assert proc.poll() is None, f"Prometheus exited:\n{_tail(workdir / 'prometheus.log')}"
-        yield Prometheus(f"http://127.0.0.1:{port}")
-    finally:
-        _stop(proc)
-        log.close()
-        shutil.rmtree(workdir / "data", ignore_errors=True)  # its log stays, for a failed test
 
 
 def set_targets(path: Path, targets: list[dict[str, Any]]) -> None:
@@ -203,20 +99,6 @@ def set_targets(path: Path, targets: list[dict[str, Any]]) -> None:
 # Processes
 
 
-def _tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-
 class Trainer:
     """`treetrain train` in a subprocess (started at once; it takes a while to import torch),
     its output in ``NAME.log``."""
@@ -225,14 +107,14 @@ class Trainer:
         self.name, self.log_path = name, workdir / f"{name}.log"
         path = workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TREETRAIN_", "WORLD_SIZE", "RANK", "LOCAL_"))}
+        env = subprocess_env()
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen([str(Path(sys.executable).parent / "treetrain"), "train", str(path)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=workdir)  # fmt: skip
 
     def _alive(self) -> None:
         code = self.proc.poll()
-        assert code is None, f"trainer {self.name} exited with {code}:\n{_tail(self.log_path)}"
+        assert code is None, f"trainer {self.name} exited with {code}:\n{tail(self.log_path)}"
 
     def port(self) -> int:
         """The metrics port, once /metrics answers."""
@@ -255,9 +137,9 @@ class Trainer:
         self.proc.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop(self.proc)
         self._log.close()
-        assert "Traceback" not in _tail(self.log_path, 100000), _tail(self.log_path)
+        assert "Traceback" not in tail(self.log_path, 100000), tail(self.log_path)
 
 
 # ---------------------------------------------------------------------------
@@ -330,18 +212,9 @@ def chart_rules(cluster: Cluster) -> dict[str, Any]:
     return {"groups": rule["spec"]["groups"]}
 
 
-def rljob(name: str, **spec: Any) -> dict[str, Any]:
+def small_rljob(name: str, **spec: Any) -> dict[str, Any]:
     """The example RLJob at its smallest: one 1-GPU rollout server, one trainer GPU."""
-    body = copy.deepcopy(EXAMPLE)
-    body["metadata"] = {"name": name}
-    body["spec"].update({"rollout": {"backend": "sglang:d1t1"}, "actor": {"backend": "fsdp:d1"}}, **spec)
-    return body
-
-
-def phase(cluster: Cluster, namespace: str, name: str) -> str | None:
-    obj = client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    found: str | None = (obj.get("status") or {}).get("phase")
-    return found
+    return rljob(name, **{**SMALL, **spec})
 
 
 def restarts(cluster: Cluster, namespace: str, name: str) -> int:
@@ -350,11 +223,7 @@ def restarts(cluster: Cluster, namespace: str, name: str) -> int:
 
 
 def trainer_pods(cluster: Cluster, namespace: str, name: str, restart: int) -> list[client.V1Pod]:
-    selector = f"treetrain.dev/rljob={name},treetrain.dev/component=actor,treetrain.dev/restart={restart}"
-    pods: list[client.V1Pod] = (
-        client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector=selector).items
-    )
-    return pods
+    return pods(cluster, namespace, trainer_selector(name, restart))
 
 
 def unfired(prom: Prometheus, faults: dict[str, dict[str, str]]) -> list[str]:
@@ -422,8 +291,8 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
         wait_for("the operator scraped", lambda: prom.query('up{job="operator"} == 1'), timeout=DEADLINE_S)
 
         # -- the healthy run: an RLJob, its trainer's metrics under its pod's labels ------------
-        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, rljob("watched"))
-        wait_for("watched Running", lambda: phase(cluster, ns, "watched") == "Running", timeout=DEADLINE_S)
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, small_rljob("watched"))
+        wait_for("watched Running", lambda: rljob_phase(cluster, ns, "watched") == "Running", timeout=DEADLINE_S)
         (pod,) = trainer_pods(cluster, ns, "watched", 0)
         targets = [{"targets": [f"127.0.0.1:{watched.port()}"],
                     "labels": {"namespace": ns, "rljob": "watched", "component": "actor", "pod": pod.metadata.name}}]  # fmt: skip
@@ -473,18 +342,18 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
                                           "labels": {"namespace": ns, "rljob": "flat", "component": "actor"}}])  # fmt: skip
 
         custom.create_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, rljob("broken", actor={"backend": "fsdp:d4p2"})
+            GROUP, VERSION, ns, PLURAL, small_rljob("broken", actor={"backend": "fsdp:d4p2"})
         )
 
         quota = {"metadata": {"name": "no-sts"}, "spec": {"hard": {"count/statefulsets.apps": "0"}}}
         core.create_namespaced_resource_quota(quota_ns, quota)
         wait_for("the quota counted", lambda: core.read_namespaced_resource_quota("no-sts", quota_ns).status.hard)
-        custom.create_namespaced_custom_object(GROUP, VERSION, quota_ns, PLURAL, rljob("refused"))
+        custom.create_namespaced_custom_object(GROUP, VERSION, quota_ns, PLURAL, small_rljob("refused"))
 
         custom.create_namespaced_custom_object(
-            GROUP, VERSION, ns, PLURAL, rljob("flaky", maxRestarts=5, restartBackoffSeconds=0)
+            GROUP, VERSION, ns, PLURAL, small_rljob("flaky", maxRestarts=5, restartBackoffSeconds=0)
         )
-        wait_for("flaky Running", lambda: phase(cluster, ns, "flaky") == "Running", timeout=DEADLINE_S)
+        wait_for("flaky Running", lambda: rljob_phase(cluster, ns, "flaky") == "Running", timeout=DEADLINE_S)
         # increase() counts from the first sample: let Prometheus see the counter at 0 first.
         wait_for(
             "the restart counter scraped at 0",
@@ -492,8 +361,8 @@ def test_dashboards_and_alerts_on_a_real_prometheus(cluster: Cluster, tmp_path: 
             timeout=DEADLINE_S,
         )
         for restart in range(3):
-            pods = wait_for(f"flaky's trainer pod {restart}", lambda r=restart: trainer_pods(cluster, ns, "flaky", r))
-            for p in pods:
+            found = wait_for(f"flaky's trainer pod {restart}", lambda r=restart: trainer_pods(cluster, ns, "flaky", r))
+            for p in found:
                 core.patch_namespaced_pod(p.metadata.name, ns, {"metadata": {"labels": FAIL}})
             wait_for(f"flaky restarted {restart + 1} times", lambda r=restart: restarts(cluster, ns, "flaky") > r)
 

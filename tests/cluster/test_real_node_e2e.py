@@ -39,7 +39,7 @@ import pytest
 import yaml
 from cluster_helpers import Cluster, wait_for
 from kubernetes import client, config
-from test_prometheus import Prometheus, prometheus_binary, prometheus_process
+from prometheus_helpers import Prometheus, prometheus_binary, prometheus_process
 
 from rljob_operator.models import GROUP, PLURAL, VERSION
 

@@ -501,16 +501,15 @@ def test_sequence_reductions_tree_equals_flat(
 
 
 @pytest.mark.parametrize("algorithm", ["rloo", "reinforce++", "dr-grpo", "dapo", "gspo"])
-def test_every_preset_trains(algorithm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("trainer_env")
+def test_every_preset_trains(algorithm: str) -> None:
     """Each preset through the real trainer (tiny model, 2 steps): finite losses, and the
     sequence options reach the loss (gspo's ratio is 1 at one update per batch, exactly)."""
-    from helpers import small
+    from suite_helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer
 
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
     lines: list[str] = []
     trainer = Trainer(C.validate(small(algorithm=algorithm, steps=2)), log=lines.append)
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_batch, merge, save_hf_model, small, spawn_ranks, step_lines, torchrun
+from helpers import make_batch, merge, save_hf_model, spawn_ranks, step_lines, torchrun
 from helpers.archon import (
     FAMILY_CONFIGS,
     check_logprobs,
@@ -22,6 +22,7 @@ from helpers.archon import (
     hf_reference,
     save_tiny,
 )
+from suite_helpers import small
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from helpers import ROOT, small, subprocess_env
+from helpers import ROOT
+from suite_helpers import small, subprocess_env
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_last_good_step(tmp_path: Path) -> None:

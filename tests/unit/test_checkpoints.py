@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import merge, small
+from helpers import merge
+from suite_helpers import small
 
 from treetrain import config as C
 from treetrain.cli import main

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from treetrain.config.schema import DatasetSettings, TrainerSettings
+from treetrain.config.trainer_settings import DatasetSettings, TrainerSettings
 from treetrain.rl.dataset import (
     REPLACEMENT_FACTOR,
     DataCursor,

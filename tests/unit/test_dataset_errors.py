@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from treetrain.cli import main
-from treetrain.config.schema import DatasetSettings
+from treetrain.config.trainer_settings import DatasetSettings
 from treetrain.rl.dataset import DataCursor, DatasetError, DatasetTask, load_rows
 from treetrain.rl.dataset_check import MAX_DEPTH, too_deep
 from treetrain.rl.rewards import reads_answer
@@ -261,7 +261,7 @@ def test_a_row_that_breaks_mid_run_names_its_index() -> None:
         def get_vocab(self) -> dict[str, int]:
             return {}
 
-    from treetrain.config.schema import TrainerSettings
+    from treetrain.config.trainer_settings import TrainerSettings
     from treetrain.rl.rewards import RewardRunner, load_reward
 
     t = TrainerSettings(dataset=DatasetSettings(path="rows.jsonl", shuffle=False), reward="builtin:exact")

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from treetrain.config.schema import DatasetSettings
+from treetrain.config.trainer_settings import DatasetSettings
 from treetrain.rl.dataset import ByteLimits, DatasetError, load_rows
 from treetrain.rl.dataset_cache import entry_for
 from treetrain.rl.dataset_check import BYTES_PER_TOKEN, ROW_BYTES_MIN, RowRules, scan_file
@@ -326,7 +326,7 @@ def test_a_full_disk_under_the_cache_is_one_line(tmp_path: Path) -> None:
 def test_the_dataset_task_judges_a_prompt_by_bytes_before_its_tokenizer() -> None:
     """A row that changed after the load check (the task holds whatever rows it is given): the
     bound holds again before the prompt is rendered; the tokenizer is never called."""
-    from treetrain.config.schema import TrainerSettings
+    from treetrain.config.trainer_settings import TrainerSettings
     from treetrain.rl.dataset import DataCursor, DatasetTask
     from treetrain.rl.rewards import RewardRunner, load_reward
 

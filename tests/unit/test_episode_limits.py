@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import subprocess_env
+from suite_helpers import subprocess_env
 
 from treetrain import config as C
 from treetrain.rl.episodes import episode_cap

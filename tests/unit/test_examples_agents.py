@@ -30,8 +30,8 @@ from treetrain.rl.rollout import Generation, SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from helpers import subprocess_env  # noqa: E402
 from json_http import JSONHandler  # noqa: E402
+from suite_helpers import subprocess_env  # noqa: E402
 
 AGENTS = ROOT / "examples" / "agents"
 ROW = {

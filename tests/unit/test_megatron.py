@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
 from megatron_models import branching_sequences, make_batch, reference, save_model
 
 from treetrain.alloc import parse

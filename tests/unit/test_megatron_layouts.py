@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
-from helpers import merge, small, spawn_ranks, step_lines, torchrun
+from helpers import merge, spawn_ranks, step_lines, torchrun
 from megatron_models import branching_sequences, make_batch, reference, save_model
+from suite_helpers import small
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 

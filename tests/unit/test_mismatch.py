@@ -4,7 +4,7 @@ and the trainer's recomputed ones, exported and logged."""
 from __future__ import annotations
 
 import pytest
-from helpers import small
+from suite_helpers import small
 
 from treetrain import config as C
 from treetrain.metrics import StepRecord, TrainerMetrics

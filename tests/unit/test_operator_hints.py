@@ -25,7 +25,8 @@ from pydantic import BaseModel
 from rljob_operator.cli import main
 from rljob_operator.models import RLJobSpec
 from rljob_operator.plan import Limits, PlanError, plan
-from treetrain.config.schema import TrainConfig, TrainerSettings
+from treetrain.config.schema import TrainConfig
+from treetrain.config.trainer_settings import TrainerSettings
 
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
 QWEN3_8B = json.loads((ROOT / "examples" / "model-configs" / "qwen3-8b.json").read_text())

@@ -13,7 +13,7 @@ import yaml
 
 from rljob_operator.plan import PlanError, plan
 from rljob_operator.servers import lora_flags
-from treetrain.config import validate
+from treetrain.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
@@ -108,3 +108,17 @@ def test_admission_refuses_in_one_line(lora: dict[str, Any], spec: dict[str, Any
         plan(manifest(lora, **spec))
     lines = [line for line in str(err.value).splitlines() if path in line]
     assert lines and words in lines[0], str(err.value)
+
+
+def test_an_engine_without_lora_is_refused_by_the_config_and_at_admission() -> None:
+    """LoRA is built on the engines whose description says so (fsdp, archon); megatron is refused
+    before any pod starts, in one line that names the engines that have it."""
+    body = manifest({"rank": 16}, checkpoint={"volume": VOLUME})
+    body["spec"]["actor"]["backend"] = "megatron:d8"
+    with pytest.raises(PlanError) as err:
+        plan(body)
+    (line,) = [line for line in str(err.value).splitlines() if "spec.actor.lora" in line]
+    assert "not built for the megatron engine" in line and "fsdp:... or archon:..." in line, line
+    with pytest.raises(ConfigError) as refused:
+        validate({"model": {"path": "m"}, "actor": {"backend": "megatron:d1", "lora": {"rank": 8}}})
+    assert "actor.lora: LoRA is not built for the megatron engine yet" in str(refused.value), str(refused.value)

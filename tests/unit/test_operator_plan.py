@@ -14,13 +14,13 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rljob_operator.layout import rollout_servers, trainer_config
+from rljob_operator.layout import rollout_servers
 from rljob_operator.models import RESERVED_ENGINE_NAMES
 from rljob_operator.network import NetworkSettings, parse_peer, with_fresh_key
 from rljob_operator.plan import Limits, PlanError, plan
 from rljob_operator.servers import multi_node_command, server_argv, server_auth
 from treetrain.alloc import parse
-from treetrain.config import validate
+from treetrain.config import load, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rljob.yaml").read_text())
@@ -419,10 +419,19 @@ def test_every_trainer_mistake_is_listed_with_its_path() -> None:
     ]  # fmt: skip
 
 
-def test_the_trainer_reads_the_plan_with_the_same_rules() -> None:
-    # plan() and the trainer share one validation: the mapping plan() checks is what the trainer gets.
-    p = plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}))
-    assert validate(trainer_config(p.layout)) == p.config
+def test_the_trainer_pod_reads_what_was_planned(tmp_path: Path) -> None:
+    """What the trainer container does with the rendered objects: the ConfigMap's file, read by
+    the trainer's own loader with the container's environment (its TREETRAIN_* variables apply
+    on top), gives exactly the config plan() checked, and the restart it was rendered for."""
+    p = plan(manifest(critic={}, trainerConfig={"algorithm": "ppo"}), restart=2)
+    objects = by_kind(p.objects)
+    (container,) = objects[("Job", "job-trainer-r2")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    path = tmp_path / Path(env["TREETRAIN_CONFIG"]).name
+    path.write_text(objects[("ConfigMap", "job-config")]["data"]["config.yaml"])
+    config, launch = load(path, env=env)
+    assert config == p.config and launch.restart == 2
+    assert config.trainer.algorithm == "ppo" and config.critic is not None and config.critic.colocated
 
 
 def test_name_length_limit() -> None:

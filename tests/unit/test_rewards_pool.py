@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 import yaml
-from helpers import subprocess_env
+from suite_helpers import subprocess_env
 
 from treetrain.metrics import TrainerMetrics
 from treetrain.rl.rewards import RewardRunner, load_reward

@@ -279,7 +279,7 @@ def test_remote_client_rejects_bad_server_lists(sglang: FakeServer) -> None:
 def test_trainer_with_sglang_syncs_weights_every_step(sglang: FakeServer, tmp_path: Path, monkeypatch: Any) -> None:
     """The whole loop against the stand-in: rollouts over HTTP, HF weights exported to the
     checkpoint dir, then pause -> update_weights_from_disk -> continue, once per step."""
-    from helpers import small
+    from suite_helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer
@@ -308,7 +308,7 @@ def test_trainer_speaks_to_each_engines_servers_in_their_own_api(
 ) -> None:
     """An RLJob with an SGLang and a vLLM engine: the config the operator writes names each
     server's kind, and one training step samples from both and syncs both, each in its API."""
-    from helpers import small
+    from suite_helpers import small
 
     from treetrain import config as C
     from treetrain.trainer.loop import Trainer

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import small
 from helpers.rollout import PARAMS, FakeServer
+from suite_helpers import small
 
 from treetrain.cli import main
 from treetrain.rl.rollout import RolloutError, SGLangRollout, VLLMRollout

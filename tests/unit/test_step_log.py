@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import merge, small
+from helpers import merge
+from suite_helpers import small
 
 from treetrain.cli import main
-from treetrain.config.schema import MetricsSettings
+from treetrain.config.trainer_settings import MetricsSettings
 from treetrain.engines.errors import EngineConfigError
 from treetrain.metrics import StepRecord
 from treetrain.rl.samples import Rollouts, Sample

@@ -4,6 +4,7 @@ exact resume from a checkpoint, the PPO + critic path, and the embedded default 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import ROOT, merge, save_hf_model, small, step_lines, subprocess_env, torchrun
+from helpers import ROOT, merge, save_hf_model, step_lines, torchrun
+from suite_helpers import small, subprocess_env
 
 from treetrain import config as C
 from treetrain.cli import main
@@ -316,12 +318,39 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
 
 
 def test_ppo_with_a_tree_packed_critic_trains() -> None:
-    raw = {**small(algorithm="ppo"), "critic": {}}
+    """PPO's critic in the loop: the actor's advantages are return - value (the critic's values
+    of the batch before its update), and each critic update moves its values toward the returns
+    (the masked squared error on the step's own batch falls), with the value loss recorded."""
+    # lr 1e-4: Adam's first steps move every weight by about lr, and at small()'s 1e-2 that
+    # overshoots the tiny critic's values (the error grows 16-fold); at 1e-4 each update helps.
+    raw = {**small(algorithm="ppo", optimizer={"lr": 1e-4}), "critic": {}}
     trainer = Trainer(C.validate(raw), log=lambda _: None)
+    algorithm, errors = trainer.algorithm, []
+    critic, update = algorithm.critic, algorithm.update
+    assert critic is not None
+
+    def squared_error(batch: Any) -> float:
+        values = critic.forward(batch.sequences)
+        returns, masks = batch.fields.need("returns"), batch.loss_mask
+        return sum(float(((v - r).square() * m).sum()) for v, r, m in zip(values, returns, masks, strict=True))
+
+    def update_and_measure(batch: Any) -> Any:
+        fields = batch.fields
+        for adv, ret, old in zip(
+            fields.need("advantages"), fields.need("returns"), fields.need("old_values"), strict=True
+        ):
+            assert torch.equal(adv, ret - old)
+        before = squared_error(batch)
+        done = update(batch)
+        errors.append((before, squared_error(batch)))
+        return done
+
+    algorithm.update = update_and_measure  # type: ignore[method-assign]
     summary = trainer.run()
     trainer.close()
-    assert len(summary.records) == 3
-    assert all("value_loss" in r.stats for r in summary.records)
+    assert len(summary.records) == 3 and len(errors) == 3
+    assert all(after < before for before, after in errors), errors
+    assert all(math.isfinite(r.stats["value_loss"]) and r.stats["value_loss"] > 0 for r in summary.records)
     assert all(r.tree_token_ratio < 1.0 for r in summary.records)
 
 

@@ -28,10 +28,8 @@ QUESTIONS = [(a, b) for a in range(1, 5) for b in range(1, 3)]  # 8 rows
 
 
 @pytest.fixture(autouse=True)
-def _agents(monkeypatch: pytest.MonkeyPatch) -> Any:
+def _agents(monkeypatch: pytest.MonkeyPatch, trainer_env: None) -> Any:
     monkeypatch.syspath_prepend(str(HERE))
-    for name in ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_CONFIG", *C.ENV_OVERRIDES):
-        monkeypatch.delenv(name, raising=False)
     import agents_for_tests
 
     agents_for_tests.SEEN.clear()
@@ -329,7 +327,7 @@ def test_the_lockstep_mirrors_rank_0s_generate_calls_on_the_other_ranks() -> Non
     thread) runs on every rank, and the other ranks return once rank 0 stops them."""
     import multiprocessing
 
-    from helpers import free_port
+    from suite_helpers import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import small
+from suite_helpers import small
 
 from treetrain import config as C
 from treetrain.metrics import StepRecord

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import merge, save_hf_model, small, subprocess_env
+from helpers import merge, save_hf_model
+from suite_helpers import small, subprocess_env
 
 from treetrain.cli import main
 

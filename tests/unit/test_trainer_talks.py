@@ -16,7 +16,8 @@ from typing import IO
 
 import pytest
 import yaml
-from helpers import ROOT, merge, small, subprocess_env
+from helpers import ROOT, merge
+from suite_helpers import small, subprocess_env
 
 from treetrain import config as C
 from treetrain.rl.progress import RolloutProgress

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import free_port
+from suite_helpers import free_port
 
 from treetrain import config as C
 from treetrain.rl import weight_group as wg
@@ -154,7 +154,7 @@ def test_rank_offsets_follow_each_servers_gpus(standins: list[StandIn]) -> None:
 def test_trainer_syncs_by_broadcast_every_step(standins: list[StandIn], tmp_path: Path, monkeypatch: Any) -> None:
     """The whole loop, distributed sync (the default): no checkpoint.dir, and after each step both
     servers hold exactly the trainer's weights."""
-    from helpers import small
+    from suite_helpers import small
 
     from treetrain.trainer.loop import Trainer
 
@@ -187,7 +187,7 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(
     """The vLLM stand-in restarts between two steps (same port, no weights, no version): before the
     second step samples, the trainer finds it through the version it reports, leaves the broken
     group, joins both servers afresh and sends version 1 again; then step 2 syncs version 2."""
-    from helpers import small
+    from suite_helpers import small
 
     from treetrain.trainer.loop import Trainer
 

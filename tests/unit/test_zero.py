@@ -17,9 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
-
 from helpers import spawn_ranks
 from megatron_models import branching_sequences, make_batch, save_model
 

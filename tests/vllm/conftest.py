@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from real_vllm import BUILD_HINT, ServerError, VLLMServer, free_port, venv_python
+from real_vllm import BUILD_HINT, ServerError, VLLMServer, venv_python
 from real_vllm import request as http
+from suite_helpers import free_port
 
 KEPT_LOGS = pytest.StashKey[Path]()
 STARTS = pytest.StashKey[list[float]]()

@@ -17,13 +17,17 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# tests/suite_helpers.py: on sys.path under pytest; a run as a script (below) puts tests/ there itself.
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from suite_helpers import free_port
 
 from treetrain.rl.rollout import http_json
 
@@ -50,13 +54,6 @@ def venv_python() -> Path | None:
     """The vLLM venv's python, or None when tests/vllm/build has not completed it."""
     out = subprocess.run([str(BUILD), "--print"], capture_output=True, text=True)
     return Path(out.stdout.strip()) if out.returncode == 0 else None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def request(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
@@ -178,6 +175,46 @@ class VLLMServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def short_run(
+    server: VLLMServer,
+    tmp: Path,
+    *,
+    method: str = "distributed",
+    steps: int = 2,
+    max_staleness: int | None = 0,
+    **trainer: Any,
+) -> Any:
+    """The trainer config of a short run against ``server`` (the tests of this directory share it);
+    synchronous (``max_staleness`` 0) unless told otherwise, since most tests drive
+    ``train_step`` themselves (None: the default for servers)."""
+    rollout: dict[str, Any] = {"kind": "vllm", "temperature": 1.0, "retries": 1, "timeoutSeconds": 120}
+    if max_staleness is not None:
+        rollout["maxStaleness"] = max_staleness
+    raw: dict[str, Any] = {
+        "model": {"path": "builtin:smollm2-135m", "seed": 1},
+        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048}},
+        "trainer": {
+            "steps": steps,
+            "task": "builtin:arithmetic",
+            "taskArgs": {"turns": 1, "maxNewTokens": 8},
+            "groupsPerStep": 2,
+            "groupSize": 2,
+            "optimizer": {"lr": 1e-4},
+            "loss": {"entropyCoef": 0.01},  # a gradient even when every group's rewards tie
+            "metrics": {"enabled": False},
+            "rollout": rollout,
+            **trainer,
+        },
+        "rollout": {
+            "servers": [{"url": server.url, "kind": "vllm"}],
+            "weightSync": {"method": method, "masterPort": free_port(), "backend": "gloo", "timeoutSeconds": 120},
+        },
+    }
+    if method == "disk":
+        raw["checkpoint"] = {"dir": str(tmp / "ckpt")}
+    return raw
 
 
 if __name__ == "__main__":

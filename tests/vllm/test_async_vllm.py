@@ -12,8 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from real_vllm import VLLMServer
-from test_real_vllm import config
+from real_vllm import VLLMServer, short_run
 
 from treetrain import config as C
 from treetrain.trainer.loop import Trainer
@@ -22,8 +21,8 @@ STALENESS = re.compile(r"\| staleness max (\d+) mean ([\d.]+)")
 
 
 def async_config(server: VLLMServer, tmp: Path, *, steps: int = 3) -> dict[str, Any]:
-    """test_real_vllm's short run, asynchronous (bound 1), with checkpoints for its weight versions."""
-    raw: dict[str, Any] = config(server, tmp, steps=steps, max_staleness=1)
+    """real_vllm's short run, asynchronous (bound 1), with checkpoints for its weight versions."""
+    raw: dict[str, Any] = short_run(server, tmp, steps=steps, max_staleness=1)
     raw["checkpoint"] = {"dir": str(tmp / "ckpt"), "intervalSteps": 100}
     return raw
 

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from real_vllm import VLLMServer, request
+from real_vllm import VLLMServer, request, short_run
+from suite_helpers import free_port
 
 from treetrain import config as C
 from treetrain.rl.rollout import (
@@ -35,12 +36,6 @@ TOL = 1e-4  # max |server - trainer| log-prob, fp32
 SEQ = [1, 504, 3458, 282, 4649, 314, 7042, 30, 216, 504, 2025, 282, 1345, 314]  # fixed token ids
 
 
-def free_port() -> int:
-    from real_vllm import free_port as port
-
-    return port()
-
-
 def server_logprobs(url: str, seq: list[int]) -> torch.Tensor:
     """log p(seq[i+1] | seq[:i+1]) as the server computes them (its prompt log-probs)."""
     body = {"prompt": seq, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
@@ -52,45 +47,6 @@ def server_logprobs(url: str, seq: list[int]) -> torch.Tensor:
 
 def trainer_logprobs(trainer: Trainer, seq: list[int]) -> torch.Tensor:
     return trainer.actor.forward([seq])[0].detach().float().cpu()
-
-
-def config(
-    server: VLLMServer,
-    tmp: Path,
-    *,
-    method: str = "distributed",
-    steps: int = 2,
-    max_staleness: int | None = 0,
-    **trainer: Any,
-) -> Any:
-    """A short run against the server; synchronous (``max_staleness`` 0) unless told otherwise,
-    since most tests here drive ``train_step`` themselves (None: the default for servers)."""
-    rollout: dict[str, Any] = {"kind": "vllm", "temperature": 1.0, "retries": 1, "timeoutSeconds": 120}
-    if max_staleness is not None:
-        rollout["maxStaleness"] = max_staleness
-    raw: dict[str, Any] = {
-        "model": {"path": "builtin:smollm2-135m", "seed": 1},
-        "actor": {"backend": "fsdp:d1", "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 2048}},
-        "trainer": {
-            "steps": steps,
-            "task": "builtin:arithmetic",
-            "taskArgs": {"turns": 1, "maxNewTokens": 8},
-            "groupsPerStep": 2,
-            "groupSize": 2,
-            "optimizer": {"lr": 1e-4},
-            "loss": {"entropyCoef": 0.01},  # a gradient even when every group's rewards tie
-            "metrics": {"enabled": False},
-            "rollout": rollout,
-            **trainer,
-        },
-        "rollout": {
-            "servers": [{"url": server.url, "kind": "vllm"}],
-            "weightSync": {"method": method, "masterPort": free_port(), "backend": "gloo", "timeoutSeconds": 120},
-        },
-    }
-    if method == "disk":
-        raw["checkpoint"] = {"dir": str(tmp / "ckpt")}
-    return raw
 
 
 def assert_server_holds(trainer: Trainer, url: str, base: torch.Tensor) -> None:
@@ -107,7 +63,7 @@ def test_trainer_syncs_the_real_server_every_step(vllm: VLLMServer, tmp_path: Pa
     directory holds no ``lm_head.weight`` (SmolLM2 ties it to the embedding): loaded by vLLM's
     own ``reload_weights`` the server's lm_head kept its old weights, 0.03-0.06 off."""
     lines: list[str] = []
-    trainer = Trainer(C.validate(config(vllm, tmp_path, method=method)), log=lines.append)
+    trainer = Trainer(C.validate(short_run(vllm, tmp_path, method=method)), log=lines.append)
     try:
         base = trainer_logprobs(trainer, SEQ)
         assert (base - server_logprobs(vllm.url, SEQ)).abs().max().item() < TOL  # the same model to start
@@ -246,7 +202,7 @@ def test_a_server_killed_mid_rollout_fails_the_trainer_naming_it(vllm: VLLMServe
     """`treetrain train` against the real server, killed once its first completion was served:
     the client retries, every group is dropped with a line naming the endpoint, then the trainer
     exits 1 saying the step has no group to train."""
-    raw = config(vllm, tmp_path, steps=1, max_staleness=None, groupsPerStep=4, groupSize=4)
+    raw = short_run(vllm, tmp_path, steps=1, max_staleness=None, groupsPerStep=4, groupSize=4)
     raw["trainer"]["taskArgs"] = {"turns": 3, "maxNewTokens": 32}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -279,7 +235,7 @@ def test_a_restarted_server_gets_the_current_weights_before_sampling(vllm: VLLMS
     second step samples, the trainer sees it report no weight version, joins it to a new group,
     sends version 1 again, and step 2's sync and samples are right."""
     lines: list[str] = []
-    trainer = Trainer(C.validate(config(vllm, tmp_path)), log=lines.append)
+    trainer = Trainer(C.validate(short_run(vllm, tmp_path)), log=lines.append)
     try:
         base = trainer_logprobs(trainer, SEQ)
         trainer.train_step(0)

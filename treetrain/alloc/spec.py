@@ -75,7 +75,8 @@ class EngineSpec:
     - ``whole_embedding_grad``: a vocabulary-parallel embedding's gradient is whole ``[V, h]`` on
       every tensor rank when FSDP2 does not wrap the model (nothing reduce-scatters it).
     - ``activation_slack``: measured CPU peak over the activations the plan lists (autograd's
-      extra copies and allocator slack, docs/engines.md "Memory plan")."""
+      extra copies and allocator slack, docs/engines.md "Memory plan").
+    - ``lora``: it trains a LoRA adapter (``actor.lora``); config validation refuses it elsewhere."""
 
     name: str
     kind: Kind
@@ -92,6 +93,7 @@ class EngineSpec:
     sharded_optimizer: bool = False
     whole_embedding_grad: bool = False
     activation_slack: float = 1.0
+    lora: bool = False
 
     def shard_size(self, dims: ParallelDims) -> int:
         """Ranks FSDP2 shards one (dense) parameter over on ``dims``, and averages its gradient

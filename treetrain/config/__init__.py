@@ -18,20 +18,22 @@ from treetrain.config.load import (
 from treetrain.config.schema import (
     ActorSettings,
     CheckpointSettings,
-    LossSettings,
-    MetricsSettings,
     ModelSettings,
-    OptimizerSettings,
     RoleSettings,
     RolloutServer,
     RolloutServers,
-    SamplingSettings,
     TrainConfig,
-    TrainerSettings,
     TreeTrainingSettings,
+    WeightSyncSettings,
+)
+from treetrain.config.trainer_settings import (
+    LossSettings,
+    MetricsSettings,
+    OptimizerSettings,
+    SamplingSettings,
+    TrainerSettings,
     ValueLossSettings,
     WandbSettings,
-    WeightSyncSettings,
 )
 from treetrain.tree.pack import DEFAULT_BLOCK_SIZE  # re-exported: the one definition lives in the bottom layer
 

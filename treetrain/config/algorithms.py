@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from treetrain.config.schema import (
+from treetrain.config.trainer_settings import (
     AdvantageKind,
     Aggregation,
     Algorithm,

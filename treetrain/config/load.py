@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from treetrain.config.check import Problem, Sections, problems
+from treetrain.config.check import problems
 from treetrain.config.defaults import embedded_default
+from treetrain.config.rules import Problem, Sections
 from treetrain.config.schema import TrainConfig
 
 # Variable -> the config key it overrides (documented in docs/contracts.md).

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from treetrain.alloc import registry
 from treetrain.alloc.lora import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -79,6 +80,10 @@ def lora_problems(lora: LoraSettings, allocation: Allocation | None) -> list[tup
     """What config validation refuses of ``actor.lora`` (``allocation``: the actor's layout,
     None when it did not parse): a target no model has, and adapters on experts split by an
     ffn ``t`` (expert tensor parallel), which no engine builds."""
+    if allocation is not None and not registry.spec_of(allocation.backend).lora:
+        lora_engines = registry.either(f"{n}:..." for n in registry.names("training") if registry.spec_of(n).lora)
+        fix = f"use an {lora_engines} backend, or drop actor.lora"
+        return [("actor.lora", f"LoRA is not built for the {allocation.backend} engine yet; fix: {fix}")]
     try:
         targets = lora.targets()
     except LoraTargetError as err:

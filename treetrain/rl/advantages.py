@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from treetrain.config.schema import AdvantageKind
+from treetrain.config.trainer_settings import AdvantageKind
 
 
 def _members(rewards: Sequence[float], groups: Sequence[int]) -> dict[int, list[int]]:

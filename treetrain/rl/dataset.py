@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treetrain.config.schema import DatasetSettings, TrainerSettings
+from treetrain.config.trainer_settings import DatasetSettings, TrainerSettings
 from treetrain.rl import dataset_cache
 from treetrain.rl.dataset_cache import CACHE_FROM_BYTES
 from treetrain.rl.dataset_check import (

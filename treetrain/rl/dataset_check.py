@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from treetrain.config.schema import TrainerSettings
+from treetrain.config.trainer_settings import TrainerSettings
 from treetrain.rl.dataset_stream import ListError, bounded_lines, json_list_items
 from treetrain.rl.task import TaskError
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from treetrain.config.schema import MetricsSettings, WandbMode
+from treetrain.config.trainer_settings import MetricsSettings, WandbMode
 from treetrain.engines.errors import EngineConfigError
 from treetrain.metrics import StepRecord, TrainerMetrics
 from treetrain.rl.advantages import informative_groups

@@ -1,18 +1,17 @@
-"""What the unit tests share: free loopback ports, a subprocess environment without the
-trainer's variables, the seconds-long trainer config, agent-shaped batches, and the two ways a
-test runs code on several CPU ranks (spawned processes in the test, or ``treetrain train``
-under torchrun). Test modules import these from here, never from each other."""
+"""What the unit tests share: config merging, Hugging Face model directories, agent-shaped
+batches, and the two ways a test runs code on several CPU ranks (spawned processes in the test,
+or ``treetrain train`` under torchrun). Test modules import these from here (and what every
+test directory shares from tests/suite_helpers.py), never from each other."""
 
 from __future__ import annotations
 
 import faulthandler
 import os
 import random
-import socket
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from suite_helpers import free_port, subprocess_env
 
 from treetrain import config as C
 
@@ -32,50 +32,7 @@ TRAINER_ENV = ("WORLD_SIZE", "TREETRAIN_RESTART", "TREETRAIN_ROLE", "TREETRAIN_C
 TINY_LLAMA: dict[str, Any] = {"path": "builtin:tiny-llama", "seed": 3}
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def subprocess_env(environ: Mapping[str, str] | None = None, *, outside_a_pod: bool = False) -> dict[str, str]:
-    """``environ`` (default: this process's) without the trainer's ``TREETRAIN_*`` and
-    ``WORLD_SIZE`` variables, for a child that must not inherit a caller's run;
-    ``outside_a_pod``: without ``KUBERNETES_*`` too (the trainer binds its metrics server to
-    loopback when it is not in a pod)."""
-    source = os.environ if environ is None else environ
-    dropped = ("TREETRAIN_", "WORLD_SIZE", "KUBERNETES_") if outside_a_pod else ("TREETRAIN_", "WORLD_SIZE")
-    return {k: v for k, v in source.items() if not k.startswith(dropped)}
-
-
 # -- trainer configs ---------------------------------------------------------------------
-
-
-def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
-    """A seconds-long config: tiny model, 2 groups x 2 samples, 2 turns of 4 tokens."""
-    cfg: dict[str, Any] = {
-        "model": {"path": "builtin:tiny-llama", "seed": 1},
-        "actor": {
-            "backend": "fsdp:d1",
-            "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 256, "blockSize": 16},
-        },
-        "trainer": {
-            "steps": 3,
-            "task": "builtin:parity",
-            "taskArgs": {"turns": 2, "userTokens": 4, "systemTokens": 16, "maxNewTokens": 4},
-            "groupsPerStep": 2,
-            "groupSize": 2,
-            "optimizer": {"lr": 1e-2},
-            "metrics": {"enabled": False},
-            "threads": 1,
-            **trainer,
-        },
-    }
-    if tmp is not None:
-        cfg["checkpoint"] = {"dir": str(tmp), "intervalSteps": 2}
-    return cfg
 
 
 def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

@@ -17,4 +17,5 @@ ARCHON = EngineSpec(
     moe_tensor_parallel=False,
     whole_embedding_grad=True,
     activation_slack=1.1,
+    lora=True,
 )

@@ -11,4 +11,5 @@ FSDP = EngineSpec(
     sixteen_bit="fsdp2_cast",
     shards_over=("dp",),
     activation_slack=1.15,
+    lora=True,
 )
