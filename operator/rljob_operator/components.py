@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rljob_operator.errors import FieldError
-from rljob_operator.models import RESERVED_ENGINE_NAMES, ComponentStatus
+from rljob_operator.models import RESERVED_ENGINE_NAMES
 from rljob_operator.spec_reader import Engines
+from rljob_operator.status_api import ComponentStatus
 from treetrain.alloc import Allocation, AllocationError, PodPlan, parse, plan_pods
 from treetrain.alloc.registry import prefixes
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from rljob_operator.models import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, RLJobSpec, RLJobStatus
+from rljob_operator.models import GROUP, KIND, PLURAL, SHORT_NAME, VERSION, RLJobSpec
+from rljob_operator.status_api import RLJobStatus
 from treetrain.config.trainer_settings import TrainerSettings
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [

@@ -3,6 +3,7 @@ kubeconfig) and the credentials kopf logs in with, the same identity."""
 
 from __future__ import annotations
 
+import re
 import ssl
 import urllib.error
 import urllib.request
@@ -64,7 +65,7 @@ def cannot_list_rljobs(c: Credentials, namespaces: list[str], timeout: float = 3
         try:
             with opener.open(req, timeout=timeout) as resp:
                 # Not parsed: an RLJob nested deeper than the json module recurses is still listed.
-                if b'"kind":"RLJobList"' not in resp.read():
+                if not re.search(rb'"kind"\s*:\s*"RLJobList"', resp.read()):
                     return f"GET {base}{path} did not answer an RLJobList"
         except urllib.error.HTTPError as e:
             return f"GET {base}{path}: HTTP {e.code} {e.reason}"

@@ -40,10 +40,10 @@ ROLLOUT_KIND = "{kind}"
 
 MAX_TTL_SECONDS = 10 * 366 * 86400  # ten years: larger values overflow date arithmetic
 
-Phase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
 
+class ApiModel(BaseModel):
+    """camelCase on the wire, unknown fields refused, frozen (every RLJob API model)."""
 
-class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True)
 
 
@@ -52,7 +52,7 @@ def _cel(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": rule, "message": message} for rule, message in rules]}
 
 
-class VolumeRef(_Model):
+class VolumeRef(ApiModel):
     """A PersistentVolumeClaim mounted into the pods."""
 
     claim_name: str = Field(min_length=1, description="Name of a PersistentVolumeClaim in the RLJob's namespace.")
@@ -79,14 +79,14 @@ Quantity = Annotated[
 ]
 
 
-class ResourceList(_Model):
+class ResourceList(ApiModel):
     """CPU and memory; GPUs are the operator's to set (from the backend and gpuResourceName)."""
 
     cpu: Quantity | None = Field(default=None, description="CPU cores: 8, 500m.")
     memory: Quantity | None = Field(default=None, description="Bytes: 64Gi, 512Mi.")
 
 
-class Resources(_Model):
+class Resources(ApiModel):
     """CPU and memory of a container, as in a pod spec (the operator adds the GPUs)."""
 
     requests: ResourceList = Field(
@@ -102,7 +102,7 @@ class Resources(_Model):
 # spec.model: where the pods find the weights (a Hugging Face id, or a path on a mounted claim)
 # and how the trainer holds them. Not treetrain.engines.source.ModelSource, which resolves a
 # model inside the trainer. The docstring is the CRD's description of spec.model.
-class ModelStorage(_Model):
+class ModelStorage(ApiModel):
     """The model: where its weights come from, and the trainer's precision and recompute."""
 
     path: str = Field(
@@ -128,7 +128,7 @@ class ModelStorage(_Model):
     )
 
 
-class DataVolume(_Model):
+class DataVolume(ApiModel):
     """Files the trainer reads (``trainer.dataset``, ``trainer.eval.dataset``): the trainer reads local
     files only, so rows come from a claim or a ConfigMap mounted into its pods."""
 
@@ -148,7 +148,7 @@ class DataVolume(_Model):
     )
 
 
-class Images(_Model):
+class Images(ApiModel):
     """Container images: the trainer's, and the rollout servers' (one per server kind)."""
 
     trainer: str = Field(default=DEFAULT_TRAINER_IMAGE, description="Image of the trainer pods.")
@@ -165,7 +165,7 @@ class Images(_Model):
 _SERVERS = either(f"`{name}:...`" for name in names("inference"))  # the registry's rollout servers
 
 
-class RolloutEngine(_Model):
+class RolloutEngine(ApiModel):
     """One inference engine: `backend` is a rollout server's string; `d` = server instances."""
 
     backend: str = Field(
@@ -195,7 +195,7 @@ class NamedRolloutEngine(RolloutEngine):
     )
 
 
-class Actor(_Model):
+class Actor(ApiModel):
     """The policy being trained: its parallel layout and tree training settings."""
 
     backend: str = Field(min_length=1, max_length=MAX_BACKEND, description=f"Backend string: {prefixes('training')}.")
@@ -209,7 +209,7 @@ class Actor(_Model):
     )
 
 
-class Checkpoint(_Model):
+class Checkpoint(ApiModel):
     """Where checkpoints go; a restarted trainer gang resumes from the latest one if they outlive the pod."""
 
     volume: VolumeRef | None = Field(
@@ -220,7 +220,7 @@ class Checkpoint(_Model):
     interval_steps: int = Field(default=50, ge=1, description="Save every N training steps.")
 
 
-class WeightSync(_Model):
+class WeightSync(ApiModel):
     """How the trained weights reach the rollout servers after every step."""
 
     method: WeightSyncMethod = Field(
@@ -248,7 +248,7 @@ class WeightSync(_Model):
     )
 
 
-class Scheduling(_Model):
+class Scheduling(ApiModel):
     """Placement of every pod of the RLJob (they are one gang)."""
 
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
@@ -259,7 +259,7 @@ class Scheduling(_Model):
     )
 
 
-class ApiKeySecret(_Model):
+class ApiKeySecret(ApiModel):
     """An existing Secret that holds the rollout servers' API key, used as is."""
 
     name: str = Field(
@@ -304,7 +304,7 @@ def backend_rules() -> list[tuple[str, str]]:
     return rules
 
 
-class RLJobSpec(_Model):
+class RLJobSpec(ApiModel):
     """What to run. The operator's parser checks backend strings fully; the CEL rules
     here only catch a wrong backend family at admission time."""
 
@@ -363,46 +363,3 @@ class RLJobSpec(_Model):
         description="The rollout servers' API key from this existing Secret. Unset: the operator creates "
         "NAME-api-key with a random key, and refuses a Secret of that name it did not create.",
     )
-
-
-# ---------------------------------------------------------------------------
-# Status
-
-
-class Condition(_Model):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str
-    observed_generation: int | None = None
-
-
-class ComponentStatus(_Model):
-    backend: str
-    kind: Literal["training", "inference"]
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    world_size: int
-    gpus: int
-    pods: int
-    gpus_per_pod: int
-    nodes: int
-    colocated_with: str | None = None
-
-
-class RLJobStatus(_Model):
-    phase: Phase = "Pending"
-    conditions: list[Condition] = Field(default_factory=list)
-    observed_generation: int | None = None
-    allocation: dict[str, ComponentStatus] = Field(default_factory=dict)
-    gpus: int = 0
-    restarts: int = 0
-    start_time: str | None = None
-    completion_time: str | None = None
-    last_restart_time: str | None = None
-    message: str = ""

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rljob_operator.conditions import whole_seconds
-from rljob_operator.models import ComponentStatus
 from rljob_operator.names import ANNOTATION_ALLOCATION, ANNOTATION_TEMPLATE_HASH, LABEL_COMPONENT, LABEL_RESTART
 from rljob_operator.plan import Plan
 from rljob_operator.record import Memory, annotations_of
+from rljob_operator.status_api import ComponentStatus
 
 TRAINER_ROLES = ("actor", "critic", "ref")
 

@@ -50,7 +50,7 @@ from typing import Any
 from rljob_operator.components import Component
 from rljob_operator.conditions import Conditions, backoff_seconds, condition, parse_time, set_or_drop, timestamp
 from rljob_operator.errors import PlanError
-from rljob_operator.models import MAX_TTL_SECONDS, RLJobStatus
+from rljob_operator.models import MAX_TTL_SECONDS
 from rljob_operator.names import (
     trainer_job_name,
 )
@@ -73,6 +73,7 @@ from rljob_operator.observe import (
 from rljob_operator.plan import Plan, plan
 from rljob_operator.policy import Limits
 from rljob_operator.record import ANNOTATION_STATE, KeyState, Memory, annotations_of, read_memory, with_memory
+from rljob_operator.status_api import RLJobStatus
 
 
 @dataclass

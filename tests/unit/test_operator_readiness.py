@@ -23,11 +23,13 @@ from rljob_operator.models import GROUP, VERSION
 
 class _Api(http.server.BaseHTTPRequestHandler):
     status = 200
+    items: ClassVar[str] = "[]"  # JSON text: a test may store what json cannot nest
     seen: ClassVar[list[tuple[str, str | None]]] = []
 
     def do_GET(self) -> None:
         type(self).seen.append((self.path, self.headers.get("Authorization")))
-        body = json.dumps({"kind": "RLJobList", "items": []} if self.status == 200 else {"kind": "Status"}).encode()
+        listed = f'{{"apiVersion": "{GROUP}/{VERSION}", "items": {self.items}, "kind": "RLJobList"}}'
+        body = (listed if self.status == 200 else json.dumps({"kind": "Status"})).encode()
         self.send_response(self.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -52,7 +54,7 @@ def _cert(d: Path, name: str) -> tuple[Path, Path]:
 def api(tmp_path: Path) -> Iterator[tuple[str, Path, Path]]:
     """An HTTPS server on 127.0.0.1 whose certificate names `localhost`, and a CA file for it."""
     crt, key = _cert(tmp_path, "localhost")
-    _Api.status, _Api.seen = 200, []
+    _Api.status, _Api.items, _Api.seen = 200, "[]", []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Api)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(crt, key)
@@ -114,3 +116,11 @@ def test_readiness_fails_the_probe_until_listed_then_holds(api: tuple[str, Path,
     _Api.status = 500  # an outage later is kopf's to retry: ready stays, no more lists
     ready.check()
     assert len(_Api.seen) == calls
+
+
+def test_an_rljob_nested_deeper_than_json_recurses_is_still_listed(api: tuple[str, Path, Path]) -> None:
+    # The API server stores such an object (the operator refuses it with Valid=False); the
+    # readiness check must not parse it, or the operator never becomes ready while it exists.
+    server, ca, _ = api
+    _Api.items = '[{"spec": ' + "[" * 5000 + "]" * 5000 + "}]"
+    assert cannot_list_rljobs(creds(server, ca), ["a"]) is None
