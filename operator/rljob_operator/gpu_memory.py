@@ -8,7 +8,8 @@ gradients and optimizer state live side by side, while their activations come an
 turn (the trainer runs them one after the other), so the largest activation counts once.
 
 The plan uses the trainer config the operator writes: ``model.dtype`` (``spec.model.dtype``,
-``auto`` written out), ``model.gradientCheckpointing`` and the micro-batch cap. A refusal names
+``auto`` written out), ``model.gradientCheckpointing``, the micro-batch cap and ``actor.lora``
+(the actor's base frozen, only its adapter with gradients and optimizer state). A refusal names
 what would fit: the same layout with recompute or bfloat16, a layout of the same engine, or a
 smaller micro-batch cap, each as the RLJob field to set. Without a GPU size nothing is refused,
 but an estimate above every common GPU is a warning.
@@ -182,11 +183,17 @@ def _settings(config: TrainConfig) -> dict[str, Any]:
         # The operator writes auto out (layout.trainer_dtype); the plan reads auto as bfloat16 too.
         "dtype": config.model.dtype,
         "recompute": config.model.gradient_checkpointing,
+        "lora": config.actor.lora.shape() if config.actor.lora is not None else None,
     }
 
 
 def _trainer_plans(shape: ModelShape, engines: Sequence[Component], settings: Mapping[str, Any]) -> list[MemoryPlan]:
-    return [estimate(shape, c.allocation, role=c.role, **settings) for c in engines]
+    """Each trainer engine's plan; only the actor carries the adapter (critic and ref train none)."""
+    rest = {k: v for k, v in settings.items() if k != "lora"}
+    return [
+        estimate(shape, c.allocation, role=c.role, **rest, lora=settings["lora"] if c.role == "actor" else None)
+        for c in engines
+    ]
 
 
 def _per_gpu(plans: Sequence[MemoryPlan]) -> int:

@@ -226,3 +226,111 @@ def test_cli_bad_json_file(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 2 and "cannot read" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+# LoRA rank 2 on TINY, all-linear: per layer q/k/v/o A [2, 8] + B [8, 2] = 32 each; gate/up A [2, 8]
+# + B [16, 2] = 48 each; down A [2, 16] + B [8, 2] = 48. Two tensors per target and layer.
+LORA = mem.LoraShape(2)
+ADAPTER = 2 * (4 * 32 + 3 * 48)  # 544
+ADAPTER_TENSORS = 2 * 14
+
+
+def test_lora_counts_a_frozen_base_and_an_fp32_adapter() -> None:
+    r = static("fsdp:d1", dtype="float32", lora=LORA)
+    assert (r.param_count, r.trainable) == (TOTAL + ADAPTER, ADAPTER)
+    # The base has no gradient and no optimizer state; the adapter fp32 both, AdamW's two moments and a step.
+    assert (r.parameters, r.gradients) == (4 * TOTAL + 4 * ADAPTER, 4 * ADAPTER)
+    assert r.optimizer == 8 * ADAPTER + 4 * ADAPTER_TENSORS
+    # bf16: the frozen base is stored in the compute dtype, the adapter stays fp32.
+    bf16 = static("fsdp:d1", dtype="bfloat16", lora=LORA)
+    assert (bf16.param_dtype, bf16.parameters, bf16.gradients) == ("bfloat16", 2 * TOTAL + 4 * ADAPTER, 4 * ADAPTER)
+    assert static("fsdp:d1", dtype="float32").trainable == TOTAL  # full fine-tuning steps every weight
+    # Only the targets named: q and v, A [2, 8] and B [8, 2] per layer.
+    assert static("fsdp:d1", lora=mem.LoraShape(2, ("q_proj", "v_proj"))).trainable == 2 * 2 * 32
+
+
+def test_lora_adapters_split_as_the_engines_split_them() -> None:
+    # t2: column-parallel A whole, B by rows; row-parallel A by columns, B whole.
+    # q/k/v 16 + 8, o 8 + 16, gate/up 16 + 16, down 16 + 16 per layer.
+    assert static("fsdp:t2", lora=LORA).trainable == 2 * (4 * 24 + 3 * 32)
+    assert static("archon:t2", lora=LORA).trainable == 2 * (4 * 24 + 3 * 32)
+    assert static("fsdp:d2", lora=LORA).trainable == ADAPTER // 2  # FSDP shards dim 0 like the weights
+    assert static("archon:c2", lora=LORA).trainable == ADAPTER // 2
+    # Megatron replicates the adapter over data ranks; its ZeRO-1 shards the fp32 moments (no master copy).
+    d2 = static("megatron:d2", dtype="bfloat16", lora=LORA)
+    assert (d2.trainable, d2.parameters) == (ADAPTER, 2 * TOTAL + 4 * ADAPTER)
+    assert d2.optimizer == 8 * (ADAPTER // 2) + 4
+    assert static("megatron:d1", dtype="bfloat16", lora=LORA).optimizer == 8 * ADAPTER + 4 * ADAPTER_TENSORS
+
+
+def test_lora_on_experts_one_adapter_per_expert() -> None:
+    moe = moe_tiny()  # E 4, expert FFN 4: gate/up A [4, 2, 8] + B [4, 4, 2], down A [4, 2, 4] + B [4, 8, 2]
+    experts = 2 * 3 * 96
+    attention = 2 * 4 * 32
+    assert static("megatron:d1", moe, lora=LORA).trainable == attention + experts
+    assert static("megatron:d2e2", moe, lora=LORA).trainable == attention + experts // 2  # split by expert
+    with pytest.raises(MemoryInputError, match="ffn t2"):
+        static("megatron:(attn:d2|ffn:t2)", moe, lora=LORA)
+    attention_only = mem.LoraShape(2, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert static("megatron:(attn:d2|ffn:t2)", moe, lora=attention_only).trainable == attention
+
+
+def test_lora_plans_the_actor_only_and_advice_keeps_it() -> None:
+    with pytest.raises(MemoryInputError, match="not the ref"):
+        static("fsdp:d1", role="ref", lora=LORA)
+    qwen = json.loads((ROOT / "examples/model-configs/qwen3-8b.json").read_text())
+    lora = mem.LoraShape(16)
+    plan = estimate(qwen, parse("fsdp:d8"), tokens=32768, lora=lora)
+    full = estimate(qwen, parse("fsdp:d8"), tokens=32768)
+    assert plan.to_dict()["lora"] == {"rank": 16, "targets": list(mem.LoraShape(16).targets)}
+    assert plan.largest.trainable * 8 == 43_646_976  # Qwen3-8B all-linear rank 16, as PEFT counts it
+    assert plan.largest.static < full.largest.static / 5
+    changes = mem.changes_that_fit(qwen, plan, 20 * mem.GIB)
+    assert changes and all(c.plan.lora == lora for c in changes)
+
+
+def test_cli_lora_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    base = ["memory", "--model", str(tmp_path), "--backend", "fsdp:d1", "--max-tokens", "64", "--dtype", "float32"]
+    assert main([*base, "--lora-rank", "2", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    assert (lora["trainable_per_rank"], lora["full_trainable_per_rank"]) == (ADAPTER, TOTAL)
+    assert lora["optimizer_per_rank"] == 8 * ADAPTER + 4 * ADAPTER_TENSORS
+    assert lora["static_saved_per_rank"] == 16 * TOTAL + 4 * 21 - (4 * TOTAL + 16 * ADAPTER + 4 * ADAPTER_TENSORS)
+    assert main([*base, "--lora-rank", "2", "--lora-targets", "q_proj,v_proj"]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA rank 2: 0.00 M trainable" in text and "base frozen in float32" in text
+    for flags, words in (
+        (["--lora-rank", "2", "--lora-targets", "q_proj,lm_head"], "'lm_head'"),
+        (["--lora-targets", "q_proj"], "needs --lora-rank"),
+        (["--lora-rank", "0"], "--lora-rank 0"),
+        (["--lora-rank", "2", "--role", "critic"], "not the critic"),
+    ):
+        assert main([*base, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err and "fix" in err, err
+
+
+def test_cli_takes_lora_and_the_layout_from_a_trainer_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    trainer = tmp_path / "trainer.yaml"
+    trainer.write_text(
+        f"model: {{path: {tmp_path}, dtype: float32}}\n"
+        "actor:\n  backend: fsdp:d2\n  treeTraining: {maxTokensPerMicrobatch: 128}\n"
+        "  lora: {rank: 2, targetModules: [q_proj, v_proj]}\n"
+    )
+    assert main(["memory", "--model", str(tmp_path), "--config", str(trainer), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["backend"], out["max_tokens"], out["dtype"]) == ("fsdp:d2", 128, "float32")
+    assert out["lora"]["targets"] == ["q_proj", "v_proj"] and out["trainable_per_rank"] == 2 * 2 * 32 // 2
+    # A flag wins over the config; the ref plans no adapter.
+    assert main(["memory", "--model", str(tmp_path), "--config", str(trainer), "--lora-rank", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora"]["rank"] == 4
+    assert main(["memory", "--model", str(tmp_path), "--config", str(trainer), "--role", "ref", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lora"] is None
+    trainer.write_text(f"model: {{path: {tmp_path}}}\nactor: {{lora: {{rank: 0}}}}\n")
+    assert main(["memory", "--model", str(tmp_path), "--config", str(trainer)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "actor.lora.rank" in err

@@ -168,3 +168,23 @@ def test_kube_reads_the_smallest_labelled_node() -> None:
     assert Kube(client).node_gpu_mib({"pool": "gpu"}) == 81559  # type: ignore[arg-type]
     assert client.paths == [("/api/v1/nodes", [("labelSelector", "pool=gpu")])]
     assert Kube(_Nodes(403, nodes)).node_gpu_mib({}) is None  # type: ignore[arg-type]
+
+
+def test_lora_counts_a_frozen_base_and_makes_a_layout_fit() -> None:
+    """spec.actor.lora in the plan: the actor's base without gradients or optimizer state, so
+    fsdp:d2 on Qwen3-8B, refused on 80 GiB GPUs when every weight trains, fits with an adapter."""
+    assert "fsdp:d2 needs about" in refusal(manifest("fsdp:d2", gpuMemoryGiB=80))
+    m = manifest("fsdp:d2", gpuMemoryGiB=80)
+    m["spec"]["actor"]["lora"] = {"rank": 16, "sync": "merged"}
+    memory = plan(m).memory
+    assert memory is not None and memory.problems == []
+    actor = memory.rows[0].parts
+    assert actor["parameters"] < 8.5 * 1024**3  # half of 8.2 B bf16 weights, and the fp32 adapter
+    assert actor["gradients"] < 0.1 * 1024**3 and actor["optimizer"] < 0.2 * 1024**3
+    # A colocated critic and ref train no adapter: their full static memory is added.
+    ppo = {"critic": {"backend": ""}, "ref": {"backend": ""}, "trainerConfig": {"algorithm": "ppo"}}
+    m = manifest("fsdp:d8", gpuMemoryGiB=141, **ppo)
+    m["spec"]["actor"]["lora"] = {"rank": 16, "sync": "merged"}
+    trainer = plan(m).memory
+    assert trainer is not None and trainer.rows[0].component == "trainer"
+    assert trainer.rows[0].parts["optimizer"] > 7 * 1024**3  # the critic's AdamW state over 8 ranks

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from treetrain.alloc.lora import LoraShape
 from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.plan import GIB, MemoryPlan, estimate
 from treetrain.alloc.registry import spec_of
@@ -60,6 +61,7 @@ def fitting_layout(
     recompute: bool = False,
     max_gpus: int = 1024,
     block_size: int | None = None,
+    lora: LoraShape | None = None,
 ) -> tuple[Allocation, MemoryPlan] | None:
     """The first layout of the same engine that fits in ``limit_bytes`` per GPU: the same GPU
     count sliced differently, then twice, four times ... the GPUs (None: none up to
@@ -71,7 +73,7 @@ def fitting_layout(
         for alloc in candidates(allocation.backend, gpus, m):
             if block_size is not None and tokens % math.lcm(block_size, alloc.alignment):
                 continue
-            plan = estimate(m, alloc, tokens=tokens, dtype=dtype, role=role, recompute=recompute)
+            plan = estimate(m, alloc, tokens=tokens, dtype=dtype, role=role, recompute=recompute, lora=lora)
             if plan.largest.total <= limit_bytes:
                 return alloc, plan
         gpus *= 2
@@ -129,6 +131,7 @@ def changes_that_fit(
         "role": plan.role,
         "recompute": plan.recompute,
         "in_flight": plan.in_flight,
+        "lora": plan.lora,
     }
 
     def fits(**change: Any) -> MemoryPlan | None:
@@ -162,6 +165,7 @@ def changes_that_fit(
         recompute=plan.recompute,
         max_gpus=max_gpus,
         block_size=block_size,
+        lora=plan.lora,
     )
     if layout is not None:
         out.append(FitChange("layout", str(layout[0]), layout[1]))

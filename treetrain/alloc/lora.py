@@ -14,8 +14,10 @@ and ``[E, out, r]``), ``y = W x + (alpha / r) B A x``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from treetrain.alloc.shapes import Param
 
 ALL_LINEAR = "all-linear"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -94,3 +96,32 @@ class LoraShape:
             if PLAN_NAME[target] == short:
                 return target
         return None
+
+
+def adapter_params(base: Iterable[Param], lora: LoraShape) -> list[Param]:
+    """The adapter tensors on ``base`` (a stage's parameters), sliced as the engines slice them
+    (``engines/lora/linear.py``, ``archon/lora.py``): for a column-parallel weight ``[out, in]``
+    (``tp_dim`` 0) ``A [r, in]`` whole and ``B [out, r]`` split by rows like the weight; for a
+    row-parallel one (``tp_dim`` 1) ``A`` split by columns like the weight and ``B`` whole. An
+    expert weight's ``A [E, r, in]`` and ``B [E, out, r]`` split over ``e`` by expert; FSDP over
+    the expert-data ranks shards them on the dimension Archon's ``fsdp_placement`` names (never
+    the experts'). FSDP's dim-0 sharding of dense ones is the same rule as the weights'."""
+    out: list[Param] = []
+    for p in base:
+        if lora.covers(p.name) is None:
+            continue
+        r = lora.rank
+        if p.expert:
+            e, n_out, n_in = p.shape
+            gate_or_up = p.ffn_dim == 1  # w1/w3 [E, I, h]; w2 [E, h, I]
+            out += [
+                Param(f"{p.name}.A", (e, r, n_in), expert=True, fsdp_dim=2 if gate_or_up else 1),
+                Param(f"{p.name}.B", (e, n_out, r), expert=True, fsdp_dim=1),
+            ]
+            continue
+        n_out, n_in = p.shape
+        out += [
+            Param(f"{p.name}.A", (r, n_in), 1 if p.tp_dim == 1 else None),
+            Param(f"{p.name}.B", (n_out, r), 0 if p.tp_dim == 0 else None),
+        ]
+    return out

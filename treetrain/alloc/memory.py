@@ -11,6 +11,8 @@ work is split by job:
 - :mod:`.activations`: the estimate of one micro-batch's activations (calibrated against CPU
   peaks of ``bench/tree_memory.py``, see docs/engines.md, "Memory plan");
 - :mod:`.plan`: :func:`estimate`, the exact static bytes plus the activations, per stage;
+- :mod:`.lora`: a LoRA adapter's tensors (:class:`LoraShape`, :func:`adapter_params`), which
+  :func:`estimate` counts when given ``lora=``;
 - :mod:`.advice`: what would fit instead (:func:`changes_that_fit`, :func:`fitting_layout`).
 """
 
@@ -26,6 +28,7 @@ from treetrain.alloc.advice import (
     exceeds_common_gpus,
     fitting_layout,
 )
+from treetrain.alloc.lora import LoraShape, adapter_params
 from treetrain.alloc.plan import GIB, ROLES, MemoryPlan, RankMemory, estimate, gib, plan_dtype, server_weight_bytes
 from treetrain.alloc.precision import DTYPE_BYTES, Precision, precision, resolve_dtype
 from treetrain.alloc.shapes import (
@@ -54,6 +57,7 @@ __all__ = [
     "LOGPROB_CHUNK",
     "ROLES",
     "FitChange",
+    "LoraShape",
     "MemoryInputError",
     "MemoryPlan",
     "ModelShape",
@@ -62,6 +66,7 @@ __all__ = [
     "RankMemory",
     "activation_bytes",
     "activation_slack",
+    "adapter_params",
     "candidates",
     "changes_that_fit",
     "check_layout",

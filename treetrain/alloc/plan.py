@@ -3,7 +3,8 @@
 Plain Python, no torch. Static parts (parameters, gradients, optimizer state) are exact:
 every parameter tensor from :mod:`.shapes`, sliced the way the engine slices it and counted in
 the dtype the precision rule (:mod:`.precision`) says the engine keeps it in. Activations are
-the estimate of :mod:`.activations`.
+the estimate of :mod:`.activations`. With a LoRA adapter (:mod:`.lora`) the base is frozen in the
+compute dtype with neither gradients nor optimizer state, and only the fp32 adapter has both.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from treetrain.alloc.activations import activation_bytes
+from treetrain.alloc.lora import FFN_TARGETS, LoraShape, adapter_params
 from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.precision import DTYPE_BYTES, Precision, fsdp_group, precision, resolve_dtype
 from treetrain.alloc.registry import spec_of
@@ -42,6 +44,7 @@ class RankMemory:
     activations: int
     param_count: int  # elements of this rank's parameter tensors
     param_dtype: str
+    trainable: int  # elements the optimizer steps on this rank (all of them; with LoRA the adapter's)
 
     @property
     def total(self) -> int:
@@ -75,6 +78,7 @@ class MemoryPlan:
     ranks: tuple[RankMemory, ...]
     notes: tuple[str, ...] = field(default=())
     in_flight: int | None = None  # as given to estimate (None: the schedule's default)
+    lora: LoraShape | None = None  # as given to estimate (None: every weight trains)
 
     @property
     def largest(self) -> RankMemory:
@@ -82,10 +86,11 @@ class MemoryPlan:
 
     @property
     def precision(self) -> Precision:
-        return precision(self.allocation.backend, self.allocation.dims, self.dtype)
+        return precision(self.allocation.backend, self.allocation.dims, self.dtype, lora=self.lora is not None)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.precision
+        lora = None if self.lora is None else {"rank": self.lora.rank, "targets": list(self.lora.targets)}
         return {
             "per_rank": self.largest.to_dict(),
             "backend": str(self.allocation),
@@ -95,6 +100,8 @@ class MemoryPlan:
             "recompute": self.recompute,
             "param_dtype": self.largest.param_dtype,
             "fp32_master_weights": p.master,
+            "trainable_per_rank": self.largest.trainable,
+            "lora": lora,
             "stages": [{"stage": r.stage, **r.to_dict()} for r in self.ranks],
             "notes": list(self.notes),
         }
@@ -118,6 +125,7 @@ def estimate(
     role: str = "actor",
     recompute: bool = False,
     in_flight: int | None = None,
+    lora: LoraShape | None = None,
 ) -> MemoryPlan:
     """Memory per rank of ``allocation`` (a training backend) for one role.
 
@@ -125,7 +133,9 @@ def estimate(
     ``model.dtype`` (``auto``: bfloat16, see :func:`plan_dtype`). ``in_flight``: micro-batches
     whose activations a pipeline stage holds at once (default: ``p``, what a 1F1B schedule's
     first stage holds; a GPipe schedule holds every micro-batch of a step). A reference model
-    (``role="ref"``) has no gradients or optimizer state."""
+    (``role="ref"``) has no gradients or optimizer state. ``lora``: the actor's adapter
+    (``actor.lora``): the base frozen in the compute dtype, the adapter fp32 with fp32 gradients
+    and AdamW state (the precision rule's LoRA case)."""
     m = config if isinstance(config, ModelShape) else ModelShape.from_config(config)
     if allocation.kind != "training":
         raise MemoryInputError(f"{allocation} is a rollout server", "see server_weight_bytes for servers")
@@ -136,23 +146,28 @@ def estimate(
         raise MemoryInputError(f"max tokens {tokens} is not >= 1", "give the micro-batch's tree tokens")
     engine, dims = allocation.backend, allocation.dims
     check_layout(m, engine, dims)
+    if lora is not None:
+        _check_lora(m, dims, role, lora)
     split = stage_split(m, engine, dims.pp, tokens=tokens, role=role) if dims.pp > 1 else [range(m.layers)]
-    prec = precision(engine, dims, dtype)
-    pbytes = DTYPE_BYTES[prec.params]
+    prec = precision(engine, dims, dtype, lora=lora is not None)
+    stepped = _stepped(prec)  # what the optimizer steps: the weights, or the fp32 adapter
+    pbytes, sbytes = DTYPE_BYTES[prec.params], DTYPE_BYTES[stepped.params]
     trained = role != "ref"
     ranks: list[RankMemory] = []
     for s, layers in enumerate(split):
         first, last = s == 0, s == dims.pp - 1
         params = stage_params(m, role, layers, first=first, last=last, tp_vocab=allocation.spec.vocab_parallel)
         counts = [(p, local_numel(p, engine, dims)) for p in params]
-        numel = sum(n for _, n in counts)
-        grads = numel * pbytes + _replicated_grad_bytes(m, engine, dims, prec, first=first) if trained else 0
+        adapter = [(p, local_numel(p, engine, dims)) for p in adapter_params(params, lora)] if lora else []
+        steps = adapter if lora else counts
+        base, numel = sum(n for _, n in counts), sum(n for _, n in steps)
+        grads = numel * sbytes + (_replicated_grad_bytes(m, engine, dims, prec, first=first) if not lora else 0)
         ranks.append(
             RankMemory(
                 stage=s,
-                parameters=numel * pbytes,
-                gradients=grads,
-                optimizer=_optimizer_bytes(engine, dims, counts, prec) if trained else 0,
+                parameters=base * pbytes + (numel * sbytes if lora else 0),
+                gradients=grads if trained else 0,
+                optimizer=_optimizer_bytes(engine, dims, steps, stepped) if trained else 0,
                 activations=activation_bytes(
                     m,
                     allocation,
@@ -163,16 +178,38 @@ def estimate(
                     role=role,
                     recompute=recompute,
                     in_flight=(in_flight or dims.pp) if dims.pp > 1 else 1,
-                    gathered=_gathered_bytes(counts, engine, dims, prec),
+                    gathered=_gathered_bytes(counts + adapter, steps, engine, dims, prec),
                 ),
-                param_count=numel,
+                param_count=base + (numel if lora else 0),
                 param_dtype=prec.params,
+                trainable=numel if trained else 0,
             )
         )
     notes = ["activations are an estimate for one micro-batch (see docs/engines.md, Memory plan)"]
     if dims.pp > 1:
         notes.append(f"pipeline stages hold {in_flight or dims.pp} micro-batches' activations at once")
-    return MemoryPlan(allocation, role, dtype, tokens, recompute, tuple(ranks), tuple(notes), in_flight)
+    if lora is not None and not allocation.spec.lora:
+        notes.append(f"the {engine} engine does not train LoRA yet: these are the bytes it would hold")
+    return MemoryPlan(allocation, role, dtype, tokens, recompute, tuple(ranks), tuple(notes), in_flight, lora)
+
+
+def _check_lora(m: ModelShape, dims: ParallelDims, role: str, lora: LoraShape) -> None:
+    """What the plan cannot count with an adapter: a critic or ref (only the actor has one),
+    and adapters on experts split by an ffn ``t`` (no engine builds them)."""
+    if role != "actor":
+        raise MemoryInputError(f"LoRA adapts the actor, not the {role}", "plan the actor with LoRA, the others without")
+    if m.is_moe and dims.etp > 1 and set(lora.targets) & set(FFN_TARGETS):
+        raise MemoryInputError(
+            f"adapters on experts split by an ffn t{dims.etp} are not built", "drop the ffn t, or target attention only"
+        )
+
+
+def _stepped(prec: Precision) -> Precision:
+    """The precision of what the optimizer steps: the weights themselves, or with LoRA the fp32
+    adapter (no master copy: it is fp32 already)."""
+    if prec.adapter is None:
+        return prec
+    return Precision(compute=prec.compute, params=prec.adapter, fsdp=prec.fsdp)
 
 
 def _optimizer_bytes(engine: str, dims: ParallelDims, counts: list[tuple[Param, int]], prec: Precision) -> int:
@@ -203,20 +240,24 @@ def _replicated_grad_bytes(m: ModelShape, engine: str, dims: ParallelDims, prec:
     return (m.vocab - m.vocab // dims.tp) * m.hidden * DTYPE_BYTES[prec.params]
 
 
-def _gathered_bytes(counts: list[tuple[Param, int]], engine: str, dims: ParallelDims, prec: Precision) -> int:
+def _gathered_bytes(
+    counts: list[tuple[Param, int]], steps: list[tuple[Param, int]], engine: str, dims: ParallelDims, prec: Precision
+) -> int:
     """FSDP's working copies: the largest layer gathered whole in the compute dtype, twice
-    (the running layer and the prefetched one), and its gradient before the reduce-scatter
-    (fp32). Zero when FSDP does not wrap the model; on one rank the gathered layer is the
-    16-bit cast of the fp32 weights."""
+    (the running layer and the prefetched one), and the gradient of what it trains before the
+    reduce-scatter (fp32; with LoRA the adapter's only). Zero when FSDP does not wrap the
+    model; on one rank the gathered layer is the 16-bit cast of the fp32 weights."""
     if not prec.fsdp:
         return 0
     group = fsdp_group(engine, dims)
     per_layer: dict[str, int] = {}
     for p, n in counts:
         key = p.name.split(".")[0]
-        per_layer[key] = per_layer.get(key, 0) + n * group
-    biggest = max(per_layer.values())
-    return biggest * (2 * DTYPE_BYTES[prec.compute] + 4)
+        per_layer[key] = per_layer.get(key, 0) + n * group * 2 * DTYPE_BYTES[prec.compute]
+    for p, n in steps:
+        key = p.name.split(".")[0]
+        per_layer[key] = per_layer.get(key, 0) + n * group * 4
+    return max(per_layer.values())
 
 
 def server_weight_bytes(config: Mapping[str, Any] | ModelShape, allocation: Allocation, dtype: str = "auto") -> int:

@@ -146,13 +146,16 @@ class Param:
 
     ``tp_dim``: the dimension split over the tensor ranks (None: every tensor rank holds it
     whole). ``expert``: an expert weight ``[E, a, b]`` (experts on dim 0, ``ffn_dim`` the FFN
-    width that expert tensor parallel splits, the other the model width that FSDP shards)."""
+    width that expert tensor parallel splits, the other the model width that FSDP shards;
+    ``fsdp_dim``: the dimension FSDP shards instead, where an engine says so, as for a LoRA
+    expert adapter)."""
 
     name: str
     shape: tuple[int, ...]
     tp_dim: int | None = None
     expert: bool = False
     ffn_dim: int = 1
+    fsdp_dim: int | None = None
 
     @property
     def numel(self) -> int:
@@ -313,7 +316,7 @@ def local_numel(p: Param, engine: str, dims: ParallelDims) -> int:
     group = spec_of(engine).shard_size(dims)
     if group > 1:
         if p.expert and dims.ep * dims.etp > 1:
-            width = 3 - p.ffn_dim  # w1/w3 [E, I, h]: h is dim 2; w2 [E, h, I]: dim 1
+            width = 3 - p.ffn_dim if p.fsdp_dim is None else p.fsdp_dim  # w1/w3 [E, I, h]: h is dim 2; w2: 1
             shape[width] = ceil_div(shape[width], dims.edp)
         else:
             shape[0] = ceil_div(shape[0], group)
