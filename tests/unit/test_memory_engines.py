@@ -7,7 +7,12 @@ bf16 with its fp32 master weights; Archon d2, t2, c2, p2 and a hybrid MoE with e
 in bf16, FSDP2 casting over a one-rank data mesh; Megatron d2, t2, c2, p2, a hybrid MoE with e2,
 and d2 in bf16), and one 1-rank spawn runs each engine's d1 in fp32 and in bf16. Every rank is
 compared with the estimate of its pipeline stage (the largest rank where FSDP's uneven
-shards differ)."""
+shards differ).
+
+LoRA cases (a case's fourth field; in the same spawns) count the frozen base (no ``.grad``, no
+optimizer state) and the adapter (fp32, with both) against ``estimate(..., lora=)``: FSDP and
+Archon d1, d2, t2 in fp32, a bf16 base on d2 (FSDP) and t2 (Archon), and Archon's adapters on
+experts over e2."""
 
 from __future__ import annotations
 
@@ -21,13 +26,19 @@ from megatron_models import branching_sequences, make_batch, save_model
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 TOLERANCE = 0.02
-FSDP = [
+LORA_RANK = 4
+LORA = True  # a case's fourth field: train a LoRA adapter of rank LORA_RANK on every target
+Case = tuple[str, str, str] | tuple[str, str, str, bool]
+FSDP: list[Case] = [
     ("qwen3", "fsdp:d2", "float32"),
     ("qwen3", "fsdp:d2", "bfloat16"),
     ("qwen3", "fsdp:t2", "float32"),
     ("qwen3", "fsdp:t2", "bfloat16"),  # fp32 masters: FSDP2 over a one-rank data mesh
+    ("qwen3", "fsdp:d2", "float32", LORA),
+    ("qwen3", "fsdp:d2", "bfloat16", LORA),  # the frozen base in bf16, the adapter fp32
+    ("qwen3", "fsdp:t2", "float32", LORA),
 ]
-ARCHON = [
+ARCHON: list[Case] = [
     ("qwen3", "archon:d2", "float32"),
     ("qwen3", "archon:t2", "float32"),
     ("qwen3", "archon:t2", "bfloat16"),
@@ -35,8 +46,12 @@ ARCHON = [
     ("qwen2", "archon:p2", "float32"),  # a tied head: one copy per stage
     ("qwen2", "archon:p2", "bfloat16"),
     ("qwen3_moe", "archon:(attn:d2|ffn:e2)", "float32"),
+    ("qwen3", "archon:d2", "float32", LORA),
+    ("qwen3", "archon:t2", "float32", LORA),
+    ("qwen3", "archon:t2", "bfloat16", LORA),
+    ("qwen3_moe", "archon:(attn:d2|ffn:e2)", "float32", LORA),  # an adapter per expert, split over e
 ]
-MEGATRON = [
+MEGATRON: list[Case] = [
     ("qwen3", "megatron:d2", "float32"),
     ("qwen3", "megatron:d2", "bfloat16"),  # bf16 weights, fp32 masters in the sharded optimizer
     ("qwen3", "megatron:t2", "float32"),
@@ -44,11 +59,12 @@ MEGATRON = [
     ("qwen2", "megatron:p2", "float32"),
     ("qwen3_moe", "megatron:(attn:d2|ffn:e2)", "float32"),
 ]
-SINGLE = [
+SINGLE: list[Case] = [
     (family, f"{engine}:d1", dtype)
     for engine in ("fsdp", "archon", "megatron")
     for family, dtype in (("qwen3", "float32"), ("qwen3", "bfloat16"))
 ]
+SINGLE += [("qwen3", f"{engine}:d1", "float32", LORA) for engine in ("fsdp", "archon")]
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -78,7 +94,7 @@ def _stage(engine: Any, backend: str) -> int:
     return int(ps.get_pipeline_model_parallel_rank())
 
 
-def _check(family: str, backend: str, dtype: str, root: Path) -> None:
+def _check(family: str, backend: str, dtype: str, root: Path, lora: bool = False) -> None:
     import json
 
     import torch.distributed as dist
@@ -86,6 +102,7 @@ def _check(family: str, backend: str, dtype: str, root: Path) -> None:
     from treetrain.alloc import parse
     from treetrain.alloc.memory import estimate
     from treetrain.config import LossSettings, ModelSettings, OptimizerSettings, TreeTrainingSettings
+    from treetrain.config.lora import LoraSettings
     from treetrain.engines import build_engine
     from treetrain.rl.losses import PPOLoss
 
@@ -96,15 +113,22 @@ def _check(family: str, backend: str, dtype: str, root: Path) -> None:
     path = root / family
     model = ModelSettings(path=str(path), dtype=dtype)  # type: ignore[arg-type]
     tree = TreeTrainingSettings(**TREE)
-    engine = build_engine(model, backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3))
+    adapter = LoraSettings(rank=LORA_RANK) if lora else None
+    engine = build_engine(model, backend, tree=tree, optimizer=OptimizerSettings(lr=1e-3), lora=adapter)
     batch = make_batch(branching_sequences() + branching_sequences(seed=1))
     engine.forward_backward(batch, PPOLoss(LossSettings(clip_eps=0.2)))
     got = held(engine)
     got_grads = got["gradients"]
+    if lora:  # the base frozen: no gradient on it
+        frozen = [p for p in engine.model.parameters() if not p.requires_grad]
+        assert frozen and all(p.grad is None for p in frozen), backend
     engine.step()
+    if lora:  # the optimizer holds state for the adapter only
+        assert engine.optimizer.state and all(p.requires_grad for p in engine.optimizer.state), backend
     got = {**held(engine), "gradients": got_grads}
     config = json.loads((path / "config.json").read_text())
-    plan = estimate(config, parse(backend), tokens=TREE["max_tokens_per_mb"], dtype=dtype)
+    shape = adapter.shape() if adapter is not None else None
+    plan = estimate(config, parse(backend), tokens=TREE["max_tokens_per_mb"], dtype=dtype, lora=shape)
     world = dist.get_world_size() if dist.is_initialized() else 1
     every: list[Any] = [None] * world
     mine = (_stage(engine, backend), got)
@@ -117,15 +141,16 @@ def _check(family: str, backend: str, dtype: str, root: Path) -> None:
         ranks = [g for s, g in every if s == stage]
         for key in ("parameters", "gradients", "optimizer"):
             largest = max(g[key] for g in ranks)
-            assert abs(largest - want[key]) <= TOLERANCE * want[key], (backend, dtype, stage, key, largest, want[key])
+            why = (backend, dtype, lora, stage, key, largest, want[key])
+            assert abs(largest - want[key]) <= TOLERANCE * want[key], why
 
 
-def _checks(root: str, cases: list[tuple[str, str, str]]) -> None:
-    for family, backend, dtype in cases:
-        _check(family, backend, dtype, Path(root))
+def _checks(root: str, cases: list[Case]) -> None:
+    for family, backend, dtype, *lora in cases:
+        _check(family, backend, dtype, Path(root), *lora)
 
 
-def _spawn(cases: list[tuple[str, str, str]], world: int, root: Path) -> None:
+def _spawn(cases: list[Case], world: int, root: Path) -> None:
     for family in {c[0] for c in cases}:
         save_model(family, root)
     spawn_ranks(_checks, world, str(root), cases)
@@ -135,7 +160,7 @@ def _spawn(cases: list[tuple[str, str, str]], world: int, root: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "cases"), [("fsdp", FSDP), ("archon", ARCHON), ("megatron", MEGATRON)], ids=["fsdp", "archon", "megatron"]
 )
-def test_static_memory_equals_what_two_ranks_hold(name: str, cases: list[tuple[str, str, str]], tmp_path: Path) -> None:
+def test_static_memory_equals_what_two_ranks_hold(name: str, cases: list[Case], tmp_path: Path) -> None:
     _spawn(cases, 2, tmp_path)
 
 

@@ -207,6 +207,7 @@ def _lora_row(plan: MemoryPlan, full: MemoryPlan) -> dict[str, Any]:
         "full_trainable_per_rank": whole.trainable,
         "full_optimizer_per_rank": whole.optimizer,
         "full_static_per_rank": whole.static,
+        "full_total_per_rank": whole.total,
         "static_saved_per_rank": whole.static - mine.static,
     }
 
