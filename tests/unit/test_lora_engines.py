@@ -9,10 +9,10 @@ through transformers; the adapter's gradients follow from the merged weight's
 (:mod:`helpers.lora`). The adapter is random (``B`` not zero) and loaded into every engine
 with ``load_adapter`` (a PEFT directory), so the loading is tested on every layout too.
 
-Layouts: one process runs ``fsdp:d1``, ``archon:d1`` (and the MoE model on Archon); two gloo
-processes per engine run ``fsdp:d2``, ``t2``; ``archon:t2``, ``p2``, ``c2``, ``(attn:d2|ffn:e2)``.
-A failed layout does not hide the others. Megatron has no LoRA yet (config validation refuses it,
-tests/unit/test_operator_lora.py)."""
+Layouts: one process runs ``fsdp:d1``, ``archon:d1`` and ``megatron:d1`` (and the MoE model on
+Archon and Megatron); two gloo processes per engine run ``fsdp:d2``, ``t2``; ``archon:t2``, ``p2``,
+``c2``, ``(attn:d2|ffn:e2)``; ``megatron:t2``, ``p2`` (tied Qwen2), ``c2``, ``d2`` (ZeRO-1 over the
+adapter), ``(attn:t2|ffn:e2)``. A failed layout does not hide the others."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ SINGLE = [
     ("qwen3", "fsdp:d1"),
     ("qwen3", "archon:d1"),
     ("qwen3_moe", "archon:d1"),
+    ("qwen3", "megatron:d1"),
+    ("qwen3_moe", "megatron:d1"),
 ]
 TWO = {
     "fsdp": [("qwen3", "fsdp:d2"), ("qwen3", "fsdp:t2")],
@@ -40,6 +42,13 @@ TWO = {
         ("qwen2", "archon:p2"),
         ("llama", "archon:c2"),
         ("qwen3_moe", "archon:(attn:d2|ffn:e2)"),
+    ],
+    "megatron": [
+        ("qwen3", "megatron:t2"),
+        ("qwen2", "megatron:p2"),
+        ("llama", "megatron:c2"),
+        ("qwen3", "megatron:d2"),  # ZeRO-1 over the adapter
+        ("qwen3_moe", "megatron:(attn:t2|ffn:e2)"),
     ],
 }
 
@@ -134,7 +143,7 @@ def test_lora_is_exact_on_two_ranks(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["fsdp:d1", "archon:d1"])
+@pytest.mark.parametrize("backend", ["fsdp:d1", "archon:d1", "megatron:d1"])
 def test_an_exported_adapter_loads_in_peft_with_the_engines_logprobs(backend: str, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

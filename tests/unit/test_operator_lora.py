@@ -5,6 +5,7 @@ the checkpoint volume mounted where they read the adapters, and admission's one-
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import yaml
 
 from rljob_operator.plan import PlanError, plan
 from rljob_operator.servers import lora_flags
+from treetrain.alloc import registry
 from treetrain.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,9 +112,12 @@ def test_admission_refuses_in_one_line(lora: dict[str, Any], spec: dict[str, Any
     assert lines and words in lines[0], str(err.value)
 
 
-def test_an_engine_without_lora_is_refused_by_the_config_and_at_admission() -> None:
-    """LoRA is built on the engines whose description says so (fsdp, archon); megatron is refused
-    before any pod starts, in one line that names the engines that have it."""
+def test_an_engine_without_lora_is_refused_by_the_config_and_at_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine whose description lacks LoRA is refused before any pod starts, in one line that
+    names the engines that have it. Every registered training engine has LoRA now, so the check
+    runs against a registry whose megatron entry says it has none (the refusal must still hold
+    for an engine added without it)."""
+    monkeypatch.setitem(registry.ENGINES, "megatron", dataclasses.replace(registry.spec_of("megatron"), lora=False))
     body = manifest({"rank": 16}, checkpoint={"volume": VOLUME})
     body["spec"]["actor"]["backend"] = "megatron:d8"
     with pytest.raises(PlanError) as err:
@@ -122,3 +127,14 @@ def test_an_engine_without_lora_is_refused_by_the_config_and_at_admission() -> N
     with pytest.raises(ConfigError) as refused:
         validate({"model": {"path": "m"}, "actor": {"backend": "megatron:d1", "lora": {"rank": 8}}})
     assert "actor.lora: LoRA is not built for the megatron engine yet" in str(refused.value), str(refused.value)
+
+
+def test_every_training_engine_takes_lora_megatron_included() -> None:
+    """Megatron has LoRA: actor.lora on a megatron backend validates and is admitted."""
+    assert all(registry.spec_of(name).lora for name in registry.names("training"))
+    validate({"model": {"path": "m"}, "actor": {"backend": "megatron:d1", "lora": {"rank": 8}}})
+    body = manifest({"rank": 16}, checkpoint={"volume": VOLUME})
+    body["spec"]["actor"]["backend"] = "megatron:d8"
+    p = plan(body)
+    assert p.config.actor.backend == "megatron:d8" and p.config.actor.lora is not None
+    assert p.config.actor.lora.rank == 16

@@ -1,6 +1,6 @@
 """The Megatron engine (``treetrain/engines/megatron/``): megatron-core's GPTModel, vocabulary and
 sequence parallel, context parallel with whole-tree K and V, ZeRO-1, bf16 weights with fp32
-masters."""
+masters; LoRA adapters on its column/row-parallel linears and experts."""
 
 from treetrain.alloc.spec import EngineLetters, EngineSpec
 
@@ -17,4 +17,5 @@ MEGATRON = EngineSpec(
     stage_split="even",
     sharded_optimizer=True,
     activation_slack=1.3,
+    lora=True,
 )

@@ -33,7 +33,10 @@ from treetrain.engines.base import Engine
 from treetrain.engines.contract import MicroBatchOutput, MicroBatchRun, OnRun
 from treetrain.engines.errors import EngineConfigError
 from treetrain.engines.hf_model import build_model
+from treetrain.engines.lora import Adapter
+from treetrain.engines.lora.linear import is_adapter
 from treetrain.engines.megatron import convert
+from treetrain.engines.megatron import lora as megatron_lora
 from treetrain.engines.megatron.grads import GradPlan, build_optimizer, finalize_grads, grad_norm, is_expert
 from treetrain.engines.megatron.logprob import vocab_parallel_logprobs
 from treetrain.engines.megatron.model import TreeGPT, TreeInput, transformer_engine_available
@@ -74,7 +77,8 @@ class MegatronEngine(Engine):
             role=role,
             recompute=self.settings.gradient_checkpointing,
             seed=self.settings.seed,
-            te=layout.device.type == "cuda" and transformer_engine_available(),
+            # LoRA adapts the local spec's linears (TransformerEngine's fuse the norm into them).
+            te=layout.device.type == "cuda" and transformer_engine_available() and self.lora is None,
         )
         self.tied = bool(getattr(hf, "tie_word_embeddings", False)) and role != "critic"
         self.shape = convert.shape_of(hf, layout)
@@ -90,6 +94,39 @@ class MegatronEngine(Engine):
         self.first, self.last = self.model.pre_process, self.model.post_process
         self.hidden_size = int(hf.hidden_size)
         self.autocast = torch_dtype(self.precision.compute) if self.precision.compute != "float32" else None
+        if self.lora is not None:  # fp32 adapters over the frozen base (the core loads their values)
+            megatron_lora.apply_lora(self.model.gpt, self.lora, self.lora_targets, self.shape, hf)
+
+    # -- LoRA (treetrain/engines/lora/core.py; names: .lora, :mod:`.lora`) ---------------------
+    def _lora_modules(self) -> dict[str, tuple[int, int]]:
+        return megatron_lora.hf_modules(self.source.config, self.lora_targets, self.shape)
+
+    def _lora_full(self, *, everywhere: bool, grads: bool = False) -> Adapter | None:
+        if grads and isinstance(self.optimizer, ShardedAdamW):  # each rank holds only its summed shard
+            self.optimizer.gather_grads()
+        dense = self.layout.dp_rank == 0 and self.layout.cp_rank == 0
+        mine = megatron_lora.pieces(self.model.gpt, self._layer_offset(), self.shape, dense=dense, grads=grads)
+        every = self._gather(mine, everywhere=everywhere)
+        if every is None:
+            return None
+        full = convert.assemble(every)
+        return {m: (full[f"{m}.lora_A"], full[f"{m}.lora_B"]) for m in self._lora_modules()}
+
+    def _lora_set(self, adapter: Adapter) -> None:
+        megatron_lora.load(self.model.gpt, adapter, self._layer_offset(), self.shape)
+
+    def _gather(self, pieces: list[convert.Piece], *, everywhere: bool) -> list[convert.Piece] | None:
+        """Every rank's pieces on every rank (``everywhere``) or on rank 0 (None elsewhere)."""
+        if self.layout.world_size == 1:
+            return pieces
+        every: list[Any] = [None] * self.layout.world_size
+        if everywhere:
+            dist.all_gather_object(every, pieces)
+        else:
+            dist.gather_object(pieces, every if self.layout.is_main else None, dst=0)
+            if not self.layout.is_main:
+                return None
+        return [piece for part in every for piece in part]
 
     # -- weights ----------------------------------------------------------------------------
     def _layer_offset(self) -> int:
@@ -218,7 +255,8 @@ class MegatronEngine(Engine):
 
     def _build_optimizer(self, settings: OptimizerSettings | None) -> torch.optim.Optimizer | None:
         """AdamW sharded over the data ranks (ZeRO-1, :func:`.grads.build_optimizer`)."""
-        return build_optimizer(self.model, list(self.model.gpt.named_parameters()), self._grad_plan(), settings)
+        trained = [(n, p) for n, p in self.model.gpt.named_parameters() if p.requires_grad or settings is None]
+        return build_optimizer(self.model, trained, self._grad_plan(), settings)
 
     def _finalize_grads(self) -> None:
         sharded = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
@@ -240,7 +278,8 @@ class MegatronEngine(Engine):
             **meta,
             "model_path": meta["model"],  # "model" holds the weights here
             "layout": str(self.layout.allocation),
-            "model": self.model.state_dict(),
+            # LoRA: the adapter alone (the frozen base is the model's own files).
+            "model": {k: v for k, v in self.model.state_dict().items() if self.lora is None or is_adapter(k)},
             "optim": self.optimizer.state_dict() if self.optimizer is not None else None,
         }
         torch.save(state, self._own_file(path))
@@ -262,7 +301,7 @@ class MegatronEngine(Engine):
             files.check_meta(state, own)
             files.check_state(state, own, optimizer=self.optimizer is not None)
             try:
-                self.model.load_state_dict(state["model"])
+                self._load_model_state(state["model"])
                 if self.optimizer is not None:
                     self.optimizer.load_state_dict(state["optim"])
             except (RuntimeError, KeyError, ValueError) as err:
@@ -272,23 +311,32 @@ class MegatronEngine(Engine):
         files.agree(problem, self.layout.world_size)
         return state
 
+    def _load_model_state(self, saved: dict[str, Any]) -> None:
+        if self.lora is None:
+            self.model.load_state_dict(saved)
+            return
+        want = {k for k in self.model.state_dict() if is_adapter(k)}
+        if set(saved) != want:
+            raise KeyError(f"the checkpoint's adapter has {len(saved)} tensors, this run's {len(want)}")
+        self.model.load_state_dict(saved, strict=False)
+
     def _pieces(self, *, grads: bool = False) -> list[convert.Piece]:
         """This rank's Hugging Face pieces of the weights (one copy over data x context ranks)."""
         offset = self._layer_offset()
         dense = self.layout.dp_rank == 0 and self.layout.cp_rank == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
-            if dense or is_expert(name):
+            if (dense or is_expert(name)) and not is_adapter(name):
                 pieces += convert.export_pieces(name, p, offset, self.shape, tied=self.tied)
         return pieces
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        """Full Hugging Face weights on every rank (a collective)."""
-        every: list[Any] = [self._pieces()]
-        if self.layout.world_size > 1:
-            every = [None] * self.layout.world_size
-            dist.all_gather_object(every, self._pieces())
-        return convert.assemble([piece for part in every for piece in part])
+        """Full Hugging Face weights on every rank (a collective; LoRA: merged, W + s B A)."""
+        every = self._gather(self._pieces(), everywhere=True)
+        assert every is not None
+        merged = self._merged(convert.assemble(every), everywhere=True)
+        assert merged is not None
+        return merged
 
     def _sampler_weights(self) -> dict[str, torch.Tensor]:
         return self._full_state()
@@ -298,16 +346,11 @@ class MegatronEngine(Engine):
         which puts them together and writes; every rank joins."""
         if self.role == "critic":
             raise EngineConfigError("only an actor exports Hugging Face weights for rollout servers")
-        pieces = self._pieces()
-        every: list[Any] = [None] * self.layout.world_size
-        if self.layout.world_size > 1:
-            dist.gather_object(pieces, every if self.layout.is_main else None, dst=0)
-        else:
-            every = [pieces]
-        if self.layout.is_main:
+        every = self._gather(self._pieces(), everywhere=False)
+        state = self._merged(convert.assemble(every) if every is not None else None)  # LoRA: W + s B A
+        if state is not None:
             from safetensors.torch import save_file
 
-            state = convert.assemble([piece for part in every for piece in part])
             path.mkdir(parents=True, exist_ok=True)
             save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
             self.source.config.save_pretrained(str(path))
@@ -322,7 +365,7 @@ class MegatronEngine(Engine):
         dense = self.layout.dp_rank == 0 and self.layout.cp_rank == 0
         pieces: list[convert.Piece] = []
         for name, p in self.model.gpt.named_parameters():
-            if p.grad is not None and (dense or is_expert(name)):
+            if p.grad is not None and (dense or is_expert(name)) and not is_adapter(name):
                 if name.startswith("output_layer.") and self.role == "critic":
                     pieces.append(("value_head." + name.split(".")[-1], 0, 0, 1, p.grad.detach().cpu().clone()))
                     continue

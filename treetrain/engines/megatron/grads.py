@@ -20,6 +20,7 @@ from treetrain.config import OptimizerSettings
 from treetrain.engines.grads import global_norm
 from treetrain.engines.layout import Layout
 from treetrain.engines.megatron import convert
+from treetrain.engines.megatron.lora import tp_split as lora_tp_split
 from treetrain.engines.optim import adamw
 from treetrain.engines.zero import Bucket, ShardedAdamW
 
@@ -45,7 +46,7 @@ class GradPlan:
         if is_expert(name):
             return s.world_size // (s.pp * s.ep * s.etp)
         copies = s.world_size // s.pp
-        if convert.tp_split(name):
+        if convert.tp_split(name) or lora_tp_split(name):
             copies //= s.tp
         if self.split_tie(name):
             copies *= 2
@@ -110,7 +111,7 @@ def build_optimizer(
 ) -> torch.optim.Optimizer | None:
     """The engine's AdamW: sharded over the data ranks (:class:`ShardedAdamW`, dense weights
     over data x context, experts over expert-data) when either group has more than one rank or
-    the weights are 16-bit (its fp32 master weights), else ``torch.optim.AdamW``. ``named``: every parameter of ``model`` by Megatron name."""
+    the weights are 16-bit (its fp32 master weights), else ``torch.optim.AdamW``. ``named``: every trained parameter of ``model`` by Megatron name (LoRA: the adapter's)."""
     dense = [(n, p) for n, p in named if not is_expert(n)]
     experts = [(n, p) for n, p in named if is_expert(n)]
     own = plan.layout.group_of
@@ -118,8 +119,8 @@ def build_optimizer(
     low_precision = any(p.dtype != torch.float32 for _, p in named)  # needs fp32 master weights
     if settings is None or (all(dist.get_world_size(g) == 1 for g in wide) and not low_precision):
         return adamw(model, settings)
-    if {id(p) for p in model.parameters()} != {id(p) for _, p in named}:
-        raise ValueError("the sharded optimizer needs every parameter of the model by name")
+    if {id(p) for p in model.parameters() if p.requires_grad} != {id(p) for _, p in named}:
+        raise ValueError("the sharded optimizer needs every trained parameter of the model by name")
     return ShardedAdamW(
         [Bucket(dense, own("dp_cp")), Bucket(experts, own("edp"))],
         lr=settings.lr,
