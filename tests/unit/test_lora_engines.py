@@ -97,11 +97,18 @@ def _engine(root: Path, family: str, backend: str, *, lora: bool = True, optimiz
 
 
 def _check(family: str, backend: str, root: Path) -> None:
+    from treetrain.engines.lora.linear import is_adapter
+
     ref = torch.load(root / f"{family}-ref.pt")
     batch = _batch()
     # A new adapter (B = 0) is the base model, bit for bit.
     base = _engine(root, family, backend, lora=False, optimizer=False).forward(batch.sequences)
     engine = _engine(root, family, backend)
+    # The optimizer steps the adapter alone (ZeRO-1's shards on megatron:d2 too); the base is frozen.
+    stepped = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    adapter = {id(p) for name, p in engine.model.named_parameters() if is_adapter(name)}
+    assert adapter and stepped == adapter, (backend, "the optimizer must hold the adapter only")
+    assert all(p.requires_grad == (id(p) in adapter) for p in engine.model.parameters()), (backend, "base frozen")
     fresh = engine.forward(batch.sequences)
     assert all(torch.equal(x, y) for x, y in zip(base, fresh, strict=True)), (backend, "B = 0 is not the base")
     engine.load_adapter(root / f"{family}-adapter")
