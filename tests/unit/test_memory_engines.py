@@ -123,8 +123,9 @@ def _check(family: str, backend: str, dtype: str, root: Path, lora: bool = False
         frozen = [p for p in engine.model.parameters() if not p.requires_grad]
         assert frozen and all(p.grad is None for p in frozen), backend
     engine.step()
-    if lora:  # the optimizer holds state for the adapter only
-        assert engine.optimizer.state and all(p.requires_grad for p in engine.optimizer.state), backend
+    if lora:  # the optimizer steps (and holds state for) the adapter only
+        stepped = [p for group in engine.optimizer.param_groups for p in group["params"]]
+        assert engine.optimizer.state and stepped and all(p.requires_grad for p in stepped), backend
     got = {**held(engine), "gradients": got_grads}
     config = json.loads((path / "config.json").read_text())
     shape = adapter.shape() if adapter is not None else None
