@@ -117,8 +117,12 @@ def _check(family: str, backend: str, root: Path) -> None:
         if tree:
             assert stats.tree_tokens < stats.original_tokens, (backend, "the batch must share prefixes")
         assert abs(stats.loss - ref["loss"]) <= 1e-4 * abs(ref["loss"]), (backend, tree, stats.loss, ref["loss"])
-        wrong = grad_problems(engine.adapter_grads(), ref["grads"])
+        grads = engine.adapter_grads()
+        wrong = grad_problems(grads, ref["grads"])
         assert not wrong, f"{backend} tree={tree}: {len(wrong)} adapter gradients differ:\n" + "\n".join(wrong)
+        # The clipping norm counts each adapter element once, however the layout splits or copies it.
+        want = sum(float((a.double() ** 2).sum() + (b.double() ** 2).sum()) for a, b in grads.values()) ** 0.5
+        assert abs(float(engine.grad_norm()) - want) <= 1e-5 * want, (backend, tree, float(engine.grad_norm()), want)
         engine.zero_grad()
     for i, (got, want) in enumerate(zip(engine.forward(batch.sequences), ref["logps"], strict=True)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{backend} log-probs of sequence {i}")
