@@ -1,4 +1,4 @@
-"""`treetrain train` with ``actor.lora`` on each engine that has it: the base stays frozen, local
+"""`treetrain train` with ``actor.lora`` on every engine: the base stays frozen, local
 rollout samples with the adapter being trained, and a run stopped by SIGTERM then resumed gives
 the same next steps and the same adapter as a run never stopped (the checkpoint holds the
 adapter and its optimizer state only)."""
@@ -17,7 +17,7 @@ from treetrain import config as C
 from treetrain.trainer.loop import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0}
-BACKENDS = ["fsdp:d1", "archon:d1"]
+BACKENDS = ["fsdp:d1", "archon:d1", "megatron:d1"]
 
 
 def lora_run(backend: str, tmp: Path | None = None) -> dict[str, Any]:
