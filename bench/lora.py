@@ -15,7 +15,7 @@ trainer exports as treetrain_weight_sync_seconds/bytes.
 
 ``memory`` runs ``treetrain memory --json`` for every model config under examples/model-configs,
 full fine-tuning and with ``--lora-rank``: trainable parameters and optimizer bytes per rank
-(reported as "not counted" while ``treetrain memory`` has no LoRA flag).
+(``trainable_per_rank``; docs/engines.md, "Memory plan", has the figures).
 
 ``curve`` trains bench/async_vllm_curve.py's synchronous run (the same task, seed, samples and
 steps) with ``actor.lora`` (rank 16, alpha 32, every decoder projection, adapter sync by disk)
@@ -155,7 +155,7 @@ def memory(config: Path, backend: str, extra: list[str]) -> dict[str, Any] | str
 
 def bench_memory(args: argparse.Namespace) -> None:
     """Per rank (the largest rank's bytes, GiB): weights, gradients, optimizer state, the total;
-    the trainable parameters when ``treetrain memory`` reports them."""
+    the trainable parameters per rank."""
     print(
         f"{'model':<14} {'backend':<14} {'':<9} {'trainable':>14} {'weights':>8} {'grads':>8} {'optim':>8} {'total':>8}"
     )
@@ -167,7 +167,7 @@ def bench_memory(args: argparse.Namespace) -> None:
                     print(f"{config.stem:<14} {backend:<14} {label:<9} not counted: {found}")
                     continue
                 gib = {k: v / 2**30 for k, v in found.get("per_rank", {}).items()}
-                trainable = found.get("trainable_parameters")
+                trainable = found.get("trainable_per_rank")
                 shown = f"{trainable:,}" if isinstance(trainable, int) else "-"
                 print(
                     f"{config.stem:<14} {backend:<14} {label:<9} {shown:>14} {gib.get('parameters', 0):>8.2f} "

@@ -133,7 +133,10 @@ def check_memory(
     problems: list[tuple[str, str]] = []
     warnings: list[str] = []
     largest = max(COMMON_GPU_GIB) * GIB
-    trainer = _trainer(shape, components, config)
+    try:
+        trainer = _trainer(shape, components, config)
+    except MemoryInputError as err:  # what the engine would refuse for this model (an adapter it cannot put)
+        return MemoryReport(problems=[(f"spec.{err.field}" if err.field else "spec.actor.backend", str(err))])
     if trainer is not None:
         row, plans = trainer
         rows.append(row)

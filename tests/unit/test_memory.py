@@ -273,6 +273,10 @@ def test_lora_on_experts_one_adapter_per_expert() -> None:
         static("megatron:(attn:d2|ffn:t2)", moe, lora=LORA)
     attention_only = mem.LoraShape(2, ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert static("megatron:(attn:d2|ffn:t2)", moe, lora=attention_only).trainable == attention
+    # The fsdp engine adapts no experts (transformers fuses them): refused as the engine refuses it.
+    with pytest.raises(MemoryInputError, match="archon"):
+        static("fsdp:d2", moe, lora=LORA)
+    assert static("fsdp:d1", moe, lora=attention_only).trainable == attention
 
 
 def test_lora_plans_the_actor_only_and_advice_keeps_it() -> None:

@@ -188,3 +188,17 @@ def test_lora_counts_a_frozen_base_and_makes_a_layout_fit() -> None:
     trainer = plan(m).memory
     assert trainer is not None and trainer.rows[0].component == "trainer"
     assert trainer.rows[0].parts["optimizer"] > 7 * 1024**3  # the critic's AdamW state over 8 ranks
+
+
+def test_lora_on_experts_the_engine_cannot_adapt_is_refused_in_one_line() -> None:
+    """fsdp puts no adapters on a MoE layer's experts (transformers fuses them): admission
+    refuses all-linear on Qwen3-30B-A3B there, naming the field and the fix, as the engine would."""
+    m = manifest("fsdp:d8", gpuMemoryGiB=141)
+    m["spec"]["model"]["config"] = json.loads((ROOT / "examples/model-configs/qwen3-30b-a3b.json").read_text())
+    m["spec"]["actor"]["lora"] = {"rank": 16, "sync": "merged"}
+    with pytest.raises(PlanError) as err:
+        plan(m)
+    (problem,) = [e for e in err.value.errors if e.path == "spec.actor.lora.targetModules"]
+    assert "experts" in problem.message and "q_proj, k_proj, v_proj, o_proj" in problem.message
+    m["spec"]["actor"]["lora"]["targetModules"] = ["q_proj", "v_proj"]
+    assert plan(m).memory is not None

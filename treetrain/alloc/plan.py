@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from treetrain.alloc import registry
 from treetrain.alloc.activations import activation_bytes
-from treetrain.alloc.lora import FFN_TARGETS, LoraShape, adapter_params
+from treetrain.alloc.lora import ATTENTION_TARGETS, FFN_TARGETS, LoraShape, adapter_params
 from treetrain.alloc.model import Allocation, ParallelDims
 from treetrain.alloc.precision import DTYPE_BYTES, Precision, fsdp_group, precision, resolve_dtype
 from treetrain.alloc.registry import spec_of
@@ -28,6 +29,7 @@ from treetrain.alloc.shapes import (
     stage_params,
     stage_split,
 )
+from treetrain.alloc.spec import EngineSpec
 
 GIB = 1024**3
 ROLES = ("actor", "critic", "ref")
@@ -147,7 +149,7 @@ def estimate(
     engine, dims = allocation.backend, allocation.dims
     check_layout(m, engine, dims)
     if lora is not None:
-        _check_lora(m, dims, role, lora)
+        _check_lora(m, allocation.spec, dims, role, lora)
     split = stage_split(m, engine, dims.pp, tokens=tokens, role=role) if dims.pp > 1 else [range(m.layers)]
     prec = precision(engine, dims, dtype, lora=lora is not None)
     stepped = _stepped(prec)  # what the optimizer steps: the weights, or the fp32 adapter
@@ -193,14 +195,25 @@ def estimate(
     return MemoryPlan(allocation, role, dtype, tokens, recompute, tuple(ranks), tuple(notes), in_flight, lora)
 
 
-def _check_lora(m: ModelShape, dims: ParallelDims, role: str, lora: LoraShape) -> None:
+def _check_lora(m: ModelShape, spec: EngineSpec, dims: ParallelDims, role: str, lora: LoraShape) -> None:
     """What the plan cannot count with an adapter: a critic or ref (only the actor has one),
-    and adapters on experts split by an ffn ``t`` (no engine builds them)."""
+    adapters on experts where the engine puts none, and on experts split by an ffn ``t`` (no
+    engine builds them)."""
     if role != "actor":
         raise MemoryInputError(f"LoRA adapts the actor, not the {role}", "plan the actor with LoRA, the others without")
+    if m.is_moe and not spec.lora_experts and set(lora.targets) & set(FFN_TARGETS):
+        able = [n for n in registry.names("training") if spec_of(n).lora and spec_of(n).lora_experts]
+        others = registry.either(f"{n}:..." for n in able)
+        raise MemoryInputError(
+            f"the {spec.name} engine puts no adapters on a mixture-of-experts layer's experts",
+            f"target {', '.join(ATTENTION_TARGETS)} only, or use a backend {others}",
+            "actor.lora.targetModules",
+        )
     if m.is_moe and dims.etp > 1 and set(lora.targets) & set(FFN_TARGETS):
         raise MemoryInputError(
-            f"adapters on experts split by an ffn t{dims.etp} are not built", "drop the ffn t, or target attention only"
+            f"adapters on experts split by an ffn t{dims.etp} are not built",
+            "drop the ffn t, or target attention only",
+            "actor.lora.targetModules",
         )
 
 

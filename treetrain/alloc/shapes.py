@@ -28,10 +28,11 @@ REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_si
 
 
 class MemoryInputError(ValueError):
-    """A model config or layout the estimator cannot read, with the fix."""
+    """A model config or layout the estimator cannot read, with the fix (``field``: the config
+    key at fault, dotted from the trainer config's top, where it is not the layout)."""
 
-    def __init__(self, message: str, fix: str) -> None:
-        self.message, self.fix = message, fix
+    def __init__(self, message: str, fix: str, field: str = "") -> None:
+        self.message, self.fix, self.field = message, fix, field
         super().__init__(f"{message}; fix: {fix}")
 
 

@@ -76,7 +76,9 @@ class EngineSpec:
       every tensor rank when FSDP2 does not wrap the model (nothing reduce-scatters it).
     - ``activation_slack``: measured CPU peak over the activations the plan lists (autograd's
       extra copies and allocator slack, docs/engines.md "Memory plan").
-    - ``lora``: it trains a LoRA adapter (``actor.lora``); config validation refuses it elsewhere."""
+    - ``lora``: it trains a LoRA adapter (``actor.lora``); config validation refuses it elsewhere.
+    - ``lora_experts``: it puts adapters on a mixture-of-experts layer's experts (else the memory
+      plan refuses FFN targets on a MoE model, as the engine does)."""
 
     name: str
     kind: Kind
@@ -94,6 +96,7 @@ class EngineSpec:
     whole_embedding_grad: bool = False
     activation_slack: float = 1.0
     lora: bool = False
+    lora_experts: bool = True
 
     def shard_size(self, dims: ParallelDims) -> int:
         """Ranks FSDP2 shards one (dense) parameter over on ``dims``, and averages its gradient

@@ -12,4 +12,5 @@ FSDP = EngineSpec(
     shards_over=("dp",),
     activation_slack=1.15,
     lora=True,
+    lora_experts=False,  # transformers fuses a MoE layer's experts: attention and dense FFNs only
 )
