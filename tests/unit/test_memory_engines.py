@@ -10,9 +10,9 @@ compared with the estimate of its pipeline stage (the largest rank where FSDP's 
 shards differ).
 
 LoRA cases (a case's fourth field; in the same spawns) count the frozen base (no ``.grad``, no
-optimizer state) and the adapter (fp32, with both) against ``estimate(..., lora=)``: FSDP and
-Archon d1, d2, t2 in fp32, a bf16 base on d2 (FSDP) and t2 (Archon), and Archon's adapters on
-experts over e2."""
+optimizer state) and the adapter (fp32, with both) against ``estimate(..., lora=)``: every
+engine's d1, d2, t2 in fp32, a bf16 base on d2 (FSDP, Megatron) and t2 (Archon), and Archon's and
+Megatron's adapters on experts over e2."""
 
 from __future__ import annotations
 
@@ -58,13 +58,17 @@ MEGATRON: list[Case] = [
     ("qwen3", "megatron:c2", "float32"),
     ("qwen2", "megatron:p2", "float32"),
     ("qwen3_moe", "megatron:(attn:d2|ffn:e2)", "float32"),
+    ("qwen3", "megatron:d2", "float32", LORA),  # ZeRO-1 over the adapter's state only
+    ("qwen3", "megatron:d2", "bfloat16", LORA),
+    ("qwen3", "megatron:t2", "float32", LORA),
+    ("qwen3_moe", "megatron:(attn:d2|ffn:e2)", "float32", LORA),
 ]
 SINGLE: list[Case] = [
     (family, f"{engine}:d1", dtype)
     for engine in ("fsdp", "archon", "megatron")
     for family, dtype in (("qwen3", "float32"), ("qwen3", "bfloat16"))
 ]
-SINGLE += [("qwen3", f"{engine}:d1", "float32", LORA) for engine in ("fsdp", "archon")]
+SINGLE += [("qwen3", f"{engine}:d1", "float32", LORA) for engine in ("fsdp", "archon", "megatron")]
 
 
 def _bytes(t: torch.Tensor) -> int:
