@@ -4,6 +4,7 @@ and the branching batch the Megatron tests share."""
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,15 @@ def critic_reference(
     assert w.grad is not None and b.grad is not None
     grads.update({"value_head.weight": w.grad, "value_head.bias": b.grad})
     return value, grads, values
+
+
+class SumLogprobLoss:
+    """Minus the sum of the trained tokens' log-probs: the plainest loss, linear in them."""
+
+    needs_entropy = False
+
+    def __call__(
+        self, out: Any, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total = -(out.logprobs * loss_mask).sum()
+        return total, {"logprob_sum": -total.detach()}

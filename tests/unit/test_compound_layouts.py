@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import spawn_ranks
-from megatron_models import COMMON, FAMILIES, branching_sequences, make_batch, per_expert, reference
+from megatron_models import COMMON, FAMILIES, SumLogprobLoss, branching_sequences, make_batch, per_expert, reference
 
 WORLD = 4
 # 64-token trees over 16-token blocks: several micro-batches on every data rank.
@@ -47,18 +47,6 @@ CASES = {
     "fsdp_archon": [("qwen3", "fsdp:d2t2"), *((m, f"archon:{lay}") for m, lay in LAYOUTS["archon"])],
     "megatron": [(m, f"megatron:{lay}") for m, lay in LAYOUTS["megatron"]],
 }
-
-
-class SumLogprobLoss:
-    """Minus the sum of the trained tokens' log-probs: the plainest loss, linear in them."""
-
-    needs_entropy = False
-
-    def __call__(
-        self, out: Any, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total = -(out.logprobs * loss_mask).sum()
-        return total, {"logprob_sum": -total.detach()}
 
 
 def _save(name: str, root: Path) -> Path:

@@ -17,7 +17,6 @@ adapter), ``(attn:t2|ffn:e2)``. A failed layout does not hide the others."""
 from __future__ import annotations
 
 import traceback
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 from helpers import spawn_ranks
 from helpers.lora import adapter_reference, grad_problems, lora_settings, save_adapter, save_merged
-from megatron_models import branching_sequences, make_batch, save_model
+from megatron_models import SumLogprobLoss, branching_sequences, make_batch, save_model
 
 TREE = {"max_tokens_per_mb": 64, "block_size": 16}
 SINGLE = [
@@ -51,18 +50,6 @@ TWO = {
         ("qwen3_moe", "megatron:(attn:t2|ffn:e2)"),
     ],
 }
-
-
-class SumLogprobLoss:
-    """Minus the sum of the trained tokens' log-probs: the plainest loss, linear in them."""
-
-    needs_entropy = False
-
-    def __call__(
-        self, out: Any, loss_mask: torch.Tensor, inputs: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total = -(out.logprobs * loss_mask).sum()
-        return total, {"logprob_sum": -total.detach()}
 
 
 def _batch() -> Any:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from openai import AsyncOpenAI, OpenAI
 from proxy_helpers import (
+    CALCULATOR,
     SCRIPTED_LOGPROB,
     SCRIPTED_VERSION,
     SMOL,
@@ -42,18 +43,6 @@ from treetrain.proxy.server import GREEDY_TEMPERATURE
 from treetrain.proxy.sessions import ProxyLimits, Refused, SessionStore
 from treetrain.rl.rollout import Generation, LocalRollout, SamplingParams
 
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
 CALL_ADD = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
 CALL_MUL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "5*4"}}\n</tool_call>'
 DEADLINE_S = 60.0
