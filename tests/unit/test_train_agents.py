@@ -49,12 +49,19 @@ def jsonl(path: Path, prefix: str = "r") -> Path:
     return path
 
 
-def config(tmp: Path, backend: str = "fsdp:d1", top: dict[str, Any] | None = None, **trainer: Any) -> C.TrainConfig:
+def config(
+    tmp: Path,
+    backend: str = "fsdp:d1",
+    top: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
+    **trainer: Any,
+) -> C.TrainConfig:
     """SmolLM2-135M, 2 groups x 2 runs of a two-call agent, replies of up to 8 tokens."""
+    tree = {"enabled": True, "maxTokensPerMicrobatch": 1024}
     raw: dict[str, Any] = {
         **(top or {}),
         "model": {"path": "builtin:smollm2-135m", "seed": 0},
-        "actor": {"backend": backend, "treeTraining": {"enabled": True, "maxTokensPerMicrobatch": 1024}},
+        "actor": {"backend": backend, "treeTraining": tree, **({"lora": lora} if lora else {})},
         "trainer": {
             "steps": 2,
             "agent": "agents_for_tests:two_turns",
@@ -423,3 +430,21 @@ def test_train_exits_2_with_one_line_for_an_agent_dataset_or_reward_that_cannot_
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_an_agent_samples_with_the_adapter_being_trained(tmp_path: Path, _agents: Any) -> None:
+    """actor.lora with local rollout: the agent's calls to the trainer's endpoint sample from the
+    model with its current adapter. After step 1 moved the adapter (a large lr), step 2's samples
+    carry log-probs the trained model gives again (mismatch at float rounding); sampled from the
+    base they would differ by the adapter's whole update."""
+    trainer = Trainer(config(tmp_path, lora={"rank": 8}, optimizer={"lr": 5e-2}), log=lambda _: None)
+    try:
+        records = trainer.run().records
+        adapter = trainer.actor.adapter_weights()
+    finally:
+        trainer.close()
+    assert [r.step for r in records] == [1, 2]
+    assert adapter and max(float(b.abs().max()) for k, b in adapter.items() if "lora_B" in k) > 1e-3
+    assert records[1].stats["behav_mismatch_max"] < 1e-3, records[1].stats
+    assert len(trained_rows(_agents.SEEN)) == 2 * 2 * 2
