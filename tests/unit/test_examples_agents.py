@@ -376,8 +376,8 @@ def _run_short(name: str, steps: int, tmp_path: Path, **env: str) -> list[float]
 def _rises(rewards: list[float]) -> bool:
     """The last two steps' mean is at least 0.1 above the first step's reward. Measured on this
     2-core machine with seeds 0, 1, 2 (model, trainer and data together): the dataset example
-    0.19-0.22 at step 1, 0.42-0.56 over steps 3-4; the agent 0.19-0.25 at step 1, 0.47-0.81 over
-    steps 2-3."""
+    0.19-0.22 at step 1, 0.42-0.56 over steps 3-4; the agent 0.06-0.25 at step 1, 0.53-0.75 over
+    steps 3-4."""
     return sum(rewards[-2:]) / 2 >= rewards[0] + 0.1
 
 
@@ -389,7 +389,10 @@ def test_the_dataset_example_learns_the_easy_word_problems(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_the_agent_example_learns_to_use_the_calculator(tmp_path: Path) -> None:
-    rewards = _run_short("trainer-agent.yaml", 3, tmp_path, PYTHONPATH=str(AGENTS))
+    # Four steps: the agent's runs share the proxy's batches in the order their calls arrive, so a
+    # run's samples depend on timing (same seed, step 1 read 0.06 and 0.25 in two runs side by
+    # side); three steps once ended at 0.31, 0.25 under load. Four ended 0.44, 0.62 and 0.62, 0.88.
+    rewards = _run_short("trainer-agent.yaml", 4, tmp_path, PYTHONPATH=str(AGENTS))
     assert _rises(rewards), rewards
     # The reward comes through the tool: in the last step, the episodes that score are (nearly all)
     # of two completions or more, the call and then the answer (a bare guess of a two-digit product
