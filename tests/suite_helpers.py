@@ -57,3 +57,18 @@ def small(tmp: Path | None = None, **trainer: Any) -> dict[str, Any]:
     if tmp is not None:
         cfg["checkpoint"] = {"dir": str(tmp), "intervalSteps": 2}
     return cfg
+
+
+def sigterm_after_each_step(trainer: Any) -> None:
+    """Make ``trainer`` receive SIGTERM right after each training step, as Kubernetes sends it
+    before it kills a pod (the trainer then stops after that step, with a checkpoint)."""
+    import signal
+
+    step = trainer.train_step
+
+    def step_then_sigterm(n: int) -> Any:
+        rec = step(n)
+        signal.raise_signal(signal.SIGTERM)
+        return rec
+
+    trainer.train_step = step_then_sigterm

@@ -5,13 +5,12 @@ adapter and its optimizer state only)."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from suite_helpers import small
+from suite_helpers import sigterm_after_each_step, small
 
 from treetrain import config as C
 from treetrain.trainer.loop import Trainer
@@ -52,14 +51,7 @@ def test_a_lora_run_stopped_by_sigterm_resumes_exactly(backend: str, tmp_path: P
     assert any(b.abs().max() > 0 for k, b in want_adapter.items() if "lora_B" in k), "the adapter did not train"
 
     first = Trainer(C.validate(lora_run(backend, tmp_path)), log=lambda _: None)
-    step = first.train_step
-
-    def step_then_sigterm(n: int) -> Any:
-        rec = step(n)
-        signal.raise_signal(signal.SIGTERM)  # as Kubernetes does before it kills the pod
-        return rec
-
-    first.train_step = step_then_sigterm  # type: ignore[method-assign]
+    sigterm_after_each_step(first)
     stopped = first.run()
     first.close()
     assert stopped.interrupted and [r.step for r in stopped.records] == [1]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 from helpers import ROOT, merge, save_hf_model, step_lines, torchrun
-from suite_helpers import small, subprocess_env
+from suite_helpers import sigterm_after_each_step, small, subprocess_env
 
 from treetrain import config as C
 from treetrain.cli import main
@@ -302,14 +302,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
     import signal
 
     trainer = Trainer(C.validate(small(tmp_path)), log=lambda _: None)
-    step = trainer.train_step
-
-    def step_then_sigterm(n: int) -> Any:
-        rec = step(n)
-        signal.raise_signal(signal.SIGTERM)  # as Kubernetes does before it kills the pod
-        return rec
-
-    trainer.train_step = step_then_sigterm  # type: ignore[method-assign]
+    sigterm_after_each_step(trainer)
     summary = trainer.run()
     trainer.close()
     assert summary.interrupted and [r.step for r in summary.records] == [1]
