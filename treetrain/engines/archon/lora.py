@@ -21,22 +21,15 @@ from treetrain.alloc.lora import ROW_PARALLEL
 from treetrain.config.lora import LoraSettings
 from treetrain.engines.archon.layout import ArchonLayout
 from treetrain.engines.archon.model import GroupedExperts, ModelArgs, MoE, Transformer
-from treetrain.engines.archon.model.hf import hf_name
+from treetrain.engines.archon.model.hf import EXPERT_NAMES, LAYER_NAMES, hf_name
 from treetrain.engines.archon.model.model import ExpertAdapters
 from treetrain.engines.lora import Adapter
 from treetrain.engines.lora.linear import attach, freeze_base
 
 # Each target's module in a block (dense FFN) and its stacked expert weight (MoE layer).
-DENSE = {
-    "q_proj": "attention.wq",
-    "k_proj": "attention.wk",
-    "v_proj": "attention.wv",
-    "o_proj": "attention.wo",
-    "gate_proj": "feed_forward.w1",
-    "up_proj": "feed_forward.w3",
-    "down_proj": "feed_forward.w2",
-}
-EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# LoRA's target names (Hugging Face's) -> our module paths, from the checkpoint name tables.
+DENSE = {hf.rsplit(".", 1)[1]: ours for ours, hf in LAYER_NAMES.items() if hf.endswith("_proj")}
+EXPERT = {hf: ours for ours, hf in EXPERT_NAMES.items()}
 _EXPERT_PARAM = re.compile(r"layers\.(\d+)\.moe\.experts\.lora\.(w[123])_([AB])$")
 
 

@@ -21,7 +21,7 @@ _PLAIN = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER = {
+LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj",
     "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj",
@@ -35,7 +35,7 @@ _LAYER = {
     "feed_forward.w3": "mlp.up_proj",
     "moe.router": "mlp.gate",
 }
-_EXPERT = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+EXPERT_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _LAYER_RE = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERT_RE = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])$")
 
@@ -45,9 +45,9 @@ def hf_name(name: str) -> str:
     if name in _PLAIN:
         return _PLAIN[name]
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in LAYER_NAMES:
         raise KeyError(f"no Hugging Face name for {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def is_expert(name: str) -> bool:
@@ -58,7 +58,7 @@ def expert_names(name: str, n_experts: int) -> list[str]:
     m = _EXPERT_RE.fullmatch(name)
     assert m is not None, name
     layer, w = m.groups()
-    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT[w]}.weight" for e in range(n_experts)]
+    return [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[w]}.weight" for e in range(n_experts)]
 
 
 def from_hf(names: Iterable[str], read: Any, *, n_experts: int, tie_embeddings: bool) -> dict[str, torch.Tensor]:
